@@ -1,0 +1,39 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.openamct-installed
+PIP     = $(PY) -m pip install -q -c .ci/constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast proto lint bench clean
+
+$(STAMP): pyproject.toml .ci/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,demo,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/openamct demo --out demo-out
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Local loop: everything but the end-to-end tests marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m 'not slow' $(PYTEST_ARGS)
+
+# Regenerate the checked-in protobuf code from the .proto files.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iopenamct/config --python_out=openamct/config openamct/config/retrain_config.proto
+	$(PY) -m grpc_tools.protoc -Iopenamct/record --python_out=openamct/record openamct/record/scale_offset_record.proto
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check openamct tests benchmarks examples
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) demo-out build *.egg-info

@@ -1,0 +1,69 @@
+"""Read a retrain config (.cfg, protobuf text format) into an AMCTRetrainConfig message."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from google.protobuf import text_format
+
+from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the file, line:column where known, and the field."""
+
+
+def locate(text: str, field: str, value: str | None = None) -> str:
+    """'line L:C' of the first occurrence of ``field`` (optionally followed by ``value``)."""
+    pattern = r"\b" + re.escape(field) + r"\b"
+    if value is not None:
+        pattern += r"\s*:?\s*\"?" + re.escape(value)
+    m = re.search(pattern, text)
+    if m is None:
+        return ""
+    line = text.count("\n", 0, m.start()) + 1
+    col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+    return f"line {line}:{col}: "
+
+
+def load_config(path: str, arg: str = "config_defination") -> tuple[AMCTRetrainConfig, str]:
+    """Parse ``path``; returns (message, text). Errors are ConfigError (a ValueError)."""
+    if not isinstance(path, str):
+        raise TypeError(f"{arg} must be a str path, got {type(path).__name__}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{arg} {path!r} does not exist or is not a file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{arg} {path!r} cannot be read: {exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{arg} {path!r} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    return parse_config_text(text, f"{arg} {path!r}"), text
+
+
+def parse_config_text(text: str, where: str = "config") -> AMCTRetrainConfig:
+    msg = AMCTRetrainConfig()
+    try:
+        # Merge, not Parse: upstream accepts a singular field written twice (last one wins),
+        # and its sample configs rely on it (layer_name repeated in one override block).
+        text_format.Merge(text, msg)
+    except text_format.ParseError as exc:
+        line, col = getattr(exc, "GetLine", lambda: None)(), getattr(exc, "GetColumn", lambda: None)()
+        detail = str(exc)
+        if line is not None and not detail.startswith(f"{line}:"):
+            detail = f"{line}:{col}: {detail}"
+        raise ConfigError(f"{where}: line {detail}") from None
+    except (ValueError, OverflowError, RecursionError) as exc:
+        raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from None
+    missing = msg.FindInitializationErrors()
+    if missing:
+        first = missing[0]
+        leaf = first.split(".")[-1]
+        parent = re.sub(r"\[\d+\]", "", first.split(".")[-2]) if "." in first else first
+        raise ConfigError(f"{where}: {locate(text, parent)}required field {leaf!r} is missing "
+                          f"(in {first.rsplit('.', 1)[0] if '.' in first else 'the top level'})")
+    return msg

@@ -1,0 +1,243 @@
+"""Capture the dataflow graph of a model by running it once on ``input_data``.
+
+Why this tracer: we *execute* the forward under a ``TorchFunctionMode`` and forward hooks
+instead of using ``torch.fx`` (fails on data-dependent control flow, which Hugging Face
+models have) or ``torch.export`` (30x slower at 258 layers, see PLATFORM-NOTES) or an
+ONNX export (slower still, and it loses module names). Every torch function call outside
+an opaque module is recorded with its tensor inputs/outputs and non-tensor arguments;
+built-in leaf modules (Conv2d, BatchNorm2d, ReLU, ...) and leaf modules that own
+parameters are recorded as one node named by their module path, which is the name users
+write in configs. Control flow simply happens; the graph is the path this input took.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from openamct.graph.graph import Graph
+from openamct.graph.node import Node, TensorArg, TensorInfo
+
+logger = logging.getLogger(__name__)
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_opaque(module: nn.Module) -> bool:
+    """Leaf modules are single ops, unless they are parameter-free user code we can look into."""
+    if isinstance(module, _CONTAINERS) or next(module.children(), None) is not None:
+        return False
+    builtin = type(module).__module__.startswith("torch.nn.")
+    owns_state = bool(module._parameters) or bool(module._buffers)
+    return builtin or owns_state
+
+
+def _op_name(func: Any) -> tuple[str, bool]:
+    """Normalise a torch function to (op, inplace): Tensor.__iadd__ -> ("add", True)."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":  # a property such as Tensor.T
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    inplace = False
+    if name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__iter__", "__index__", "__int__", "__invert__"):
+        name, inplace = name[3:-2], True
+    elif name.startswith("__r") and name.endswith("__") and name not in ("__repr__", "__reduce__", "__reduce_ex__"):
+        name = name[3:-2]
+    elif name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+    elif name.endswith("_") and not name.startswith("_"):
+        name, inplace = name[:-1], True
+    return name, inplace
+
+
+def flatten_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples/lists/dicts (and dict-like model outputs), in order."""
+    found: list[torch.Tensor] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, (list, tuple)):
+            for item in o:
+                walk(item)
+        elif isinstance(o, dict):
+            for item in o.values():
+                walk(item)
+
+    walk(obj)
+    return found
+
+
+class _Builder:
+    """Accumulates nodes while the model runs; owns no global state."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.nodes: list[Node] = []
+        self.by_id: dict[int, TensorInfo] = {}
+        self.keepalive: list[torch.Tensor] = []  # ids must stay unique while we run
+        self.next_key = 0
+        self.counters: dict[str, int] = {}
+        self.suppress = 0
+        self.stack: list[str] = []
+        self.pending: list[list[TensorInfo]] = []
+        self.names = {m: n for n, m in model.named_modules()}
+        self.params: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.params.setdefault(id(p), n)
+        for n, b in model.named_buffers(remove_duplicate=False):
+            self.params.setdefault(id(b), n)
+
+    # -- tensors -------------------------------------------------------------------------
+    def _new_info(self, t: torch.Tensor, producer: Node | None, index: int) -> TensorInfo:
+        info = TensorInfo(self.next_key, tuple(t.shape), t.dtype, producer, index)
+        self.next_key += 1
+        self.by_id[id(t)] = info
+        self.keepalive.append(t)
+        return info
+
+    def lookup(self, t: torch.Tensor) -> TensorInfo:
+        info = self.by_id.get(id(t))
+        if info is None:
+            info = self._new_info(t, None, 0)
+            info.param_name = self.params.get(id(t))
+        return info
+
+    def _convert(self, obj: Any, inputs: list[TensorInfo]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            inputs.append(self.lookup(obj))
+            return TensorArg(len(inputs) - 1)
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(self._convert(o, inputs) for o in obj) if isinstance(obj, list) else tuple(self._convert(o, inputs) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._convert(v, inputs) for k, v in obj.items()}
+        return obj
+
+    # -- nodes ---------------------------------------------------------------------------
+    def _add_node(self, kind: str, name: str, op: str, inputs: list[TensorInfo], outputs: list[torch.Tensor],
+                  args: tuple = (), kwargs: dict | None = None, inplace: bool = False) -> Node:
+        node = Node(len(self.nodes), kind, name, op, inputs, [], args, kwargs or {}, inplace,
+                    self.stack[-1] if self.stack else "")
+        for info in inputs:
+            info.consumers.append(node)
+        node.outputs = [self._new_info(t, node, i) for i, t in enumerate(outputs)]
+        self.nodes.append(node)
+        return node
+
+    def add_inputs(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        for t, n in zip(tensors, names):
+            self._add_node("input", n, "input", [], [t])
+
+    def add_output(self, tensors: list[torch.Tensor]) -> None:
+        self._add_node("output", "output", "output", [self.lookup(t) for t in tensors], [])
+
+    def record_function(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        op, inplace = _op_name(func)
+        if op == "setitem":  # x[idx] = y mutates x and returns None
+            outs, inplace = [args[0]], True
+        else:
+            outs = flatten_tensors(out)
+        if not outs:
+            return
+        in_ids = {id(a) for a in flatten_tensors((args, kwargs))}
+        if not inplace and all(id(t) in in_ids for t in outs):
+            return  # an alias such as .contiguous() on a contiguous tensor: same value, no op
+        inputs: list[TensorInfo] = []
+        c_args = self._convert(tuple(args), inputs)
+        c_kwargs = self._convert(dict(kwargs), inputs)
+        n = self.counters.get(op, 0)
+        self.counters[op] = n + 1
+        self._add_node("function", f"{op}_{n}", op, inputs, outs, c_args, c_kwargs, inplace)
+
+    # -- module hooks --------------------------------------------------------------------
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.stack.append(self.names.get(module, type(module).__name__))
+        if _is_opaque(module):
+            if self.suppress == 0:
+                inputs: list[TensorInfo] = []
+                self._convert((tuple(args), dict(kwargs)), inputs)
+                self.pending.append(inputs)
+            self.suppress += 1
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        name = self.stack.pop()
+        if _is_opaque(module):
+            self.suppress -= 1
+            if self.suppress == 0:
+                inputs = self.pending.pop()
+                in_ids = {id(a) for a in flatten_tensors((args, kwargs))}
+                outs = flatten_tensors(output)
+                inplace = bool(outs) and all(id(t) in in_ids for t in outs)
+                self._add_node("module", name, type(module).__name__, inputs, outs, inplace=inplace)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, builder: _Builder) -> None:
+        super().__init__()
+        self.builder = builder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.builder.suppress == 0:
+            self.builder.record_function(func, args, kwargs, out)
+        return out
+
+
+def split_input_data(input_data: Any) -> tuple[tuple, dict]:
+    """AMCT's ``input_data``: a tensor, a tuple/list of tensors, or a dict of keyword inputs
+    (Hugging Face style); a tuple may end with a dict of keyword inputs as torch.onnx takes it."""
+    if isinstance(input_data, torch.Tensor):
+        return (input_data,), {}
+    if isinstance(input_data, dict):
+        return (), dict(input_data)
+    if isinstance(input_data, (tuple, list)):
+        items = list(input_data)
+        if items and isinstance(items[-1], dict):
+            return tuple(items[:-1]), dict(items[-1])
+        return tuple(items), {}
+    raise TypeError(f"input_data must be a torch.Tensor, a tuple/list of tensors or a dict of keyword tensors, got {type(input_data).__name__}")
+
+
+def capture_graph(model: nn.Module, input_data: Any) -> Graph:
+    """Run ``model`` once (eval mode, no grad) and return its dataflow graph.
+
+    The model's parameters, buffers and train/eval flags are left as they were.
+    """
+    args, kwargs = split_input_data(input_data)
+    builder = _Builder(model)
+    in_tensors = flatten_tensors((args, kwargs))
+    in_names = [f"input_{i}" for i in range(len(flatten_tensors(args)))] + [
+        f"{k}" for k, v in kwargs.items() for _ in flatten_tensors(v)]
+    builder.add_inputs(in_tensors, in_names)
+    flags = {m: m.training for m in model.modules()}
+    handles = []
+    try:
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(builder.pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(builder.post_hook, with_kwargs=True))
+        model.eval()
+        try:
+            with torch.no_grad(), _Recorder(builder):
+                out = model(*args, **kwargs)
+        except Exception as exc:
+            where = builder.stack[-1] if builder.stack else "<top-level forward>"
+            mod = dict(model.named_modules()).get(where)
+            kind = f" ({type(mod).__name__})" if mod is not None else ""
+            raise ValueError(
+                f"cannot capture the graph of {type(model).__name__} with the given input_data: "
+                f"the forward failed in module {where!r}{kind}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags.items():
+            m.training = flag
+    outs = flatten_tensors(out)
+    if not outs:
+        raise ValueError(f"cannot capture the graph of {type(model).__name__}: its forward returned no tensor")
+    builder.add_output(outs)
+    graph = Graph(builder.nodes, model)
+    logger.debug("captured %d nodes (%d module calls)", len(graph.nodes), sum(1 for n in graph.nodes if n.kind == "module"))
+    return graph

@@ -1,0 +1,85 @@
+"""Find the layers openamct can compress, and the ones it must leave alone and why."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from openamct.config.specs import ALL_TYPES
+from openamct.graph.graph import Graph
+
+logger = logging.getLogger(__name__)
+
+_TORCH_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+                                             nn.ConvTranspose2d, nn.Linear)
+
+
+def layer_type(module: nn.Module) -> str | None:
+    """The torch base type name configs use ("Conv2d", "Linear"), or None if unsupported.
+    Subclasses count as their base (MultiheadAttention's out_proj is a Linear)."""
+    for t in _TORCH_TYPES:
+        if type(module) is t:
+            return t.__name__
+    for t in _TORCH_TYPES:
+        if isinstance(module, t):
+            return t.__name__
+    return None
+
+
+@dataclass
+class LayerInfo:
+    name: str
+    type: str
+    module: nn.Module
+    excluded: str | None = None  # why the layer must not be compressed
+
+    @property
+    def groups(self) -> int:
+        return int(getattr(self.module, "groups", 1))
+
+    @property
+    def depthwise(self) -> bool:
+        m = self.module
+        return self.type.startswith("Conv") and m.groups > 1 and m.groups == m.in_channels
+
+    @property
+    def cin_per_group(self) -> int:
+        m = self.module
+        if self.type == "Linear":
+            return m.in_features
+        return m.in_channels // m.groups
+
+
+def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
+    """Every module of a supported type, in module order, with exclusions decided."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}")
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(name)
+
+    layers: dict[str, LayerInfo] = {}
+    for name, module in model.named_modules():
+        kind = layer_type(module)
+        if kind is None or kind not in ALL_TYPES:
+            continue
+        info = LayerInfo(name, kind, module)
+        calls = len(graph.module_calls.get(name, []))
+        shared = [o for p in module.parameters(recurse=False) for o in owners.get(id(p), [])
+                  if not o.startswith(name + ".")]
+        if len(aliases.get(id(module), [])) > 1:
+            info.excluded = f"registered under several names ({', '.join(aliases[id(module)])})"
+        elif calls == 0:
+            info.excluded = "never called in the forward with input_data (used functionally or unused)"
+        elif calls > 1:
+            info.excluded = f"called {calls} times in one forward (reused module)"
+        elif shared:
+            info.excluded = f"shares its parameters with {', '.join(sorted(set(shared)))}"
+        if info.excluded:
+            logger.warning("layer %r (%s) is left uncompressed: %s", name, kind, info.excluded)
+        layers[name] = info
+    return layers

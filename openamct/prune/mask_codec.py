@@ -1,0 +1,100 @@
+"""Bit-packing of 0/1 sparsity masks into signed int64 words for the prune record.
+
+Layout (SPEC.md section 3, ``selective_prune``'s ``selective_mask``): flatten the mask in C
+order; bit ``i`` (LSB = 0) of word ``k`` holds element ``64 * k + i``; the last word's unused high
+bits are zero. Words are Python ints in the int64 range (two's complement), as ONNX-style
+``ints`` attributes store them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["pack_mask", "unpack_mask", "num_words"]
+
+_BITS = 64
+_INT64_MIN = -(1 << 63)
+_INT64_END = 1 << 63
+
+
+def num_words(numel: int) -> int:
+    """How many int64 words a mask of ``numel`` elements packs into."""
+    return -(-numel // _BITS)
+
+
+def pack_mask(mask: Tensor | np.ndarray) -> tuple[list[int], list[int]]:
+    """Pack a 0/1 mask; returns ``(shape, words)``. ``ValueError`` for any other value."""
+    if isinstance(mask, Tensor):
+        array = mask.detach().cpu().numpy() if mask.dtype != torch.bfloat16 else (
+            mask.detach().cpu().float().numpy())
+    elif isinstance(mask, np.ndarray):
+        array = mask
+    else:
+        raise TypeError(f"mask: expected a torch.Tensor or numpy array, got {type(mask).__name__}")
+    shape = [int(d) for d in array.shape]
+    flat = array.reshape(-1)
+    if flat.dtype == np.bool_:
+        bits = flat
+    else:
+        if not np.all((flat == 0) | (flat == 1)):
+            raise ValueError("mask: values must be 0 or 1")
+        bits = flat != 0
+    padded = np.zeros(num_words(bits.size) * _BITS, dtype=np.bool_)
+    padded[: bits.size] = bits
+    # packbits(little) puts element 8j+i at bit i of byte j; the little-endian 8-byte view then
+    # puts element 64k+i at bit i of word k.
+    words = np.packbits(padded, bitorder="little").view("<i8")
+    return shape, words.tolist()
+
+
+def unpack_mask(
+    shape: Sequence[int], words: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`pack_mask`: a 0/1 tensor of ``shape`` and ``dtype``.
+
+    ``ValueError`` when the word count does not fit the shape, a word is outside the int64
+    range, or a padding bit past the last element is set (the words belong to another shape).
+    """
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, torch.Size)):
+        raise TypeError(f"shape: expected a sequence of ints, got {type(shape).__name__}")
+    dims = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"shape: expected ints, got {type(d).__name__} in {list(shape)}")
+        if d < 0:
+            raise ValueError(f"shape: dimensions must be >= 0, got {list(shape)}")
+        dims.append(int(d))
+    numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    expected = num_words(numel)
+    if len(words) != expected:
+        raise ValueError(
+            f"words: {len(words)} int64 words do not fit mask shape {dims} "
+            f"({numel} elements need {expected})"
+        )
+    if isinstance(words, np.ndarray):
+        if words.dtype.kind not in "iu" or words.dtype.itemsize != 8:
+            raise TypeError(f"words: expected 64-bit integers, got {words.dtype}")
+        packed = np.ascontiguousarray(words).view("<i8")
+    else:
+        try:
+            packed = np.asarray(words, dtype=np.int64)
+        except OverflowError:
+            bad = next(w for w in words if not _INT64_MIN <= w < _INT64_END)
+            raise ValueError(f"words: {bad} is outside the int64 range") from None
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"words: expected ints ({exc})") from None
+    bits = np.unpackbits(packed.astype("<i8", copy=False).view(np.uint8), bitorder="little")
+    if bits[numel:].any():
+        raise ValueError(
+            f"words: bits set past element {numel} of mask shape {dims}: "
+            "the words do not belong to this shape"
+        )
+    out = torch.from_numpy(bits[:numel].reshape(dims))
+    return out.to(dtype)

@@ -1,0 +1,307 @@
+"""N:M (2:4) structured sparsity: mask computation and the training-time sparsifier module.
+
+Upstream AMCT's ``l1_selective_prune`` (SPEC.md section 4): along the weight's input-channel
+axis, every group of ``m`` consecutive weights (same output channel and kernel position) keeps
+its ``n`` largest magnitudes. The axis is zero-padded to a multiple of ``m`` and padding always
+counts as smaller than any real weight: the rule is exactly "keep the n largest of the m padded
+entries", so with 2:4 a trailing group of 3 real weights keeps 2 of them, of 2 keeps both, of 1
+keeps it (Cin = 6 keeps 4 of 6 per row, Cin = 3 keeps 2 of 3).
+
+Tie rule (deterministic, independent of device and thread count): among equal magnitudes the
+entry with the lower index along the axis (the earlier input channel) is kept. NaN magnitudes
+rank as +inf, so a diverged weight stays visible instead of being silently masked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "NMSparsifier"]
+
+# Classes whose weight layout is [Cin, Cout/groups, ...]; every other conv and Linear is
+# [Cout, Cin/groups, ...].
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_REGULAR = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_KIND_AXIS = {cls.__name__: 0 for cls in _TRANSPOSED} | {cls.__name__: 1 for cls in _REGULAR}
+# SPEC section 4: 2:4 applies to these layer types only.
+_NM_TYPES = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
+
+
+def nm_axis(module_or_kind: nn.Module | type | str) -> int:
+    """Input-channel axis of the weight: 1 for Conv1d/2d/3d and Linear, 0 for ConvTranspose.
+
+    Accepts a module instance, a module class or a class name such as ``"Conv2d"``.
+    """
+    if isinstance(module_or_kind, str):
+        if module_or_kind not in _KIND_AXIS:
+            raise ValueError(
+                f"module_or_kind: unknown layer kind {module_or_kind!r}; "
+                f"expected one of {sorted(_KIND_AXIS)}"
+            )
+        return _KIND_AXIS[module_or_kind]
+    cls = module_or_kind if isinstance(module_or_kind, type) else type(module_or_kind)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(
+            f"module_or_kind: expected an nn.Module, a module class or a kind name, "
+            f"got {type(module_or_kind).__name__}"
+        )
+    # Transposed first: ConvTranspose*d and Conv*d share the _ConvNd base.
+    if issubclass(cls, _TRANSPOSED):
+        return 0
+    if issubclass(cls, _REGULAR):
+        return 1
+    raise ValueError(f"module_or_kind: {cls.__name__} has no known input-channel axis")
+
+
+def nm_groups(module: nn.Module) -> int:
+    """How many independent channel groups share the weight's input-channel axis.
+
+    Only transposed convs concatenate their groups along that axis (weight [Cin, Cout/g, ...]);
+    an N:M group must not straddle two conv groups, so the mask pads each group separately.
+    """
+    if isinstance(module, _TRANSPOSED):
+        return int(module.groups)
+    return 1
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def compute_nm_mask(
+    weight: Tensor, axis: int, n: int = 2, m: int = 4, *, groups: int = 1
+) -> Tensor:
+    """0/1 mask (same shape and dtype as ``weight``) keeping the ``n`` largest |w| of every
+    ``m`` consecutive entries along ``axis``.
+
+    ``groups`` > 1 splits ``axis`` into that many equal parts, each padded on its own (transposed
+    convs, see :func:`nm_groups`). Vectorised: one pass of comparisons per pair of positions in
+    a group (6 for 2:4), never a loop over groups.
+    """
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis: expected an int, got {type(axis).__name__}")
+    if not -weight.dim() <= axis < weight.dim():
+        raise ValueError(f"axis: {axis} is out of range for a weight of shape {list(weight.shape)}")
+    axis = axis % weight.dim()
+    m = _check_int("m", m, 1)
+    n = _check_int("n", n, 0)
+    if n > m:
+        raise ValueError(f"n: must be <= m ({m}), got {n}")
+    groups = _check_int("groups", groups, 1)
+    channels = weight.shape[axis]
+    if channels % groups:
+        raise ValueError(
+            f"groups: {groups} does not divide the {channels} channels on axis {axis} "
+            f"of a weight of shape {list(weight.shape)}"
+        )
+    if weight.numel() == 0:
+        return torch.ones_like(weight)
+
+    with torch.no_grad():
+        mag = weight.detach().abs()
+        mag = torch.nan_to_num_(mag, nan=float("inf"))
+        per_group = channels // groups
+        padded = -(-per_group // m) * m
+        mag = mag.unflatten(axis, (groups, per_group))
+        if padded != per_group:
+            # -1 is below every real magnitude (>= 0): padding always loses.
+            pad_shape = list(mag.shape)
+            pad_shape[axis + 1] = padded - per_group
+            mag = torch.cat([mag, mag.new_full(pad_shape, -1.0)], dim=axis + 1)
+        mag = mag.unflatten(axis + 1, (padded // m, m))
+        pos = mag.unbind(axis + 2)
+        # wins[i] = how many others entry i outranks; keep iff it outranks at least m - n.
+        wins = [torch.zeros_like(pos[0], dtype=torch.uint8) for _ in range(m)]
+        for i in range(m):
+            for j in range(i + 1, m):
+                i_wins = pos[i] >= pos[j]  # tie -> lower index i wins
+                wins[i] += i_wins
+                wins[j] += ~i_wins
+        keep = torch.stack([w >= (m - n) for w in wins], dim=axis + 2)
+        keep = keep.flatten(axis + 1, axis + 2).narrow(axis + 1, 0, per_group)
+        return keep.flatten(axis, axis + 1).to(weight.dtype)
+
+
+def nm_eligible(module: nn.Module) -> tuple[bool, str]:
+    """Whether 2:4 applies to ``module``, and why not (a message callers log) when it does not."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+    kind = type(module).__name__
+    if not isinstance(module, _NM_TYPES):
+        return False, f"{kind} is not supported by 2:4 sparsity (Conv2d, ConvTranspose2d, Linear)"
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor) or isinstance(weight, nn.parameter.UninitializedParameter):
+        return False, f"{kind} has no initialised weight"
+    if not weight.is_floating_point():
+        return False, f"{kind} weight has non-float dtype {weight.dtype}"
+    axis = nm_axis(module)
+    per_group = weight.shape[axis] // nm_groups(module)
+    if per_group <= 2:
+        return False, (
+            f"{kind} has {per_group} input channel(s) per group (<= 2, e.g. depthwise): kept dense"
+        )
+    return True, ""
+
+
+class _MaskSTE(torch.autograd.Function):
+    """Forward ``w * mask``; backward passes the gradient to every weight, masked or not
+    (SPEC: "gradients reach all weights"), so a later recompute can revive pruned weights.
+    Cheaper than ``w + (w * mask - w).detach()``: one kernel forward, none backward."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, mask: Tensor) -> Tensor:  # noqa: D102
+        return w * mask
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+        return grad, None
+
+
+class NMSparsifier(nn.Module):
+    """Applies a 2:4 mask to a weight: ``forward(w) -> w * mask``.
+
+    State (all in the state_dict): ``mask`` (weight dtype, 0/1), ``mask_ready`` (bool),
+    ``step`` (int64, training forwards seen). In training mode the mask is computed from ``w``
+    on the first forward and, with ``update_freq`` > 0, recomputed whenever
+    ``step % update_freq == 0``; ``update_freq == 0`` keeps the first mask. Eval mode never
+    recomputes a ready mask (an unready one is computed once so eval works).
+
+    With autograd recording, the product is a straight-through estimator: ``d/dw = g``
+    unmasked. Without (eval under ``no_grad``, export) it is a plain ``Mul`` with the buffer.
+
+    ``version`` counts mask changes (recomputes that changed a bit, ``set_mask``, loads), so the
+    record owner knows when to rewrite the record. It is a notification counter, not
+    checkpointed state; reading it synchronises with the device.
+    """
+
+    def __init__(
+        self,
+        weight_shape: Sequence[int],
+        axis: int,
+        update_freq: int,
+        *,
+        groups: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(weight_shape, (str, bytes)) or not isinstance(weight_shape, Sequence):
+            raise TypeError(
+                f"weight_shape: expected a sequence of ints, got {type(weight_shape).__name__}"
+            )
+        shape = tuple(_check_int("weight_shape", d, 0) for d in weight_shape)
+        if len(shape) < 2:
+            raise ValueError(f"weight_shape: need at least 2 dims, got {list(shape)}")
+        _check_int("axis", axis, 0)
+        if axis >= len(shape):
+            raise ValueError(f"axis: {axis} is out of range for weight_shape {list(shape)}")
+        self.update_freq = _check_int("update_freq", update_freq, 0)
+        self.groups = _check_int("groups", groups, 1)
+        if shape[axis] % self.groups:
+            raise ValueError(f"groups: {groups} does not divide weight_shape[{axis}]={shape[axis]}")
+        self.weight_shape = shape
+        self.axis = axis
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.register_buffer("mask", torch.ones(shape, dtype=dtype, device=device))
+        self.register_buffer("mask_ready", torch.zeros((), dtype=torch.bool, device=device))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        # Not checkpointed: see `version`. A buffer so it follows .to(device) and is bumped
+        # without a host sync.
+        self.register_buffer(
+            "_changes", torch.zeros((), dtype=torch.int64, device=device), persistent=False
+        )
+        # Host mirrors of mask_ready/step: reading the buffers every forward would force a
+        # device sync per layer per step on accelerators. Refreshed on every state_dict load.
+        self._ready = False
+        self._step = 0
+
+    @classmethod
+    def from_module(cls, module: nn.Module, update_freq: int) -> NMSparsifier:
+        """Sparsifier matching ``module``'s weight (shape, axis, groups, dtype, device);
+        ``ValueError`` with the reason when the module is not eligible."""
+        ok, reason = nm_eligible(module)
+        if not ok:
+            raise ValueError(f"module: not eligible for 2:4 sparsity: {reason}")
+        w = module.weight
+        return cls(tuple(w.shape), nm_axis(module), update_freq, groups=nm_groups(module),
+                   dtype=w.dtype, device=w.device)
+
+    @property
+    def version(self) -> int:
+        return int(self._changes.item())
+
+    def extra_repr(self) -> str:
+        return (f"weight_shape={list(self.weight_shape)}, axis={self.axis}, "
+                f"update_freq={self.update_freq}, groups={self.groups}")
+
+    def forward(self, w: Tensor) -> Tensor:
+        if tuple(w.shape) != self.weight_shape:
+            raise ValueError(
+                f"w: shape {list(w.shape)} does not match the sparsifier's weight_shape "
+                f"{list(self.weight_shape)}"
+            )
+        if self.training:
+            if not self._ready or (self.update_freq > 0 and self._step % self.update_freq == 0):
+                self._recompute(w)
+            self._step += 1
+            self.step.fill_(self._step)
+        elif not self._ready:
+            self._recompute(w)
+        mask = self.mask if self.mask.dtype == w.dtype else self.mask.to(w.dtype)
+        if torch.is_grad_enabled() and w.requires_grad:
+            return _MaskSTE.apply(w, mask)
+        return w * mask
+
+    @torch.no_grad()
+    def _recompute(self, w: Tensor) -> None:
+        new = compute_nm_mask(w, self.axis, groups=self.groups)
+        self._install(new)
+
+    @torch.no_grad()
+    def _install(self, new: Tensor) -> None:
+        new = new.to(device=self.mask.device, dtype=self.mask.dtype)
+        if self._ready:
+            self._changes.add_((new != self.mask).any())
+        else:
+            self._changes.add_(1)
+        self.mask.copy_(new)
+        self.mask_ready.fill_(True)
+        self._ready = True
+
+    def set_mask(self, mask: Tensor) -> None:
+        """Install a mask read from a record; it counts as the computed mask (ready)."""
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
+        if tuple(mask.shape) != self.weight_shape:
+            raise ValueError(
+                f"mask: shape {list(mask.shape)} does not match weight shape "
+                f"{list(self.weight_shape)}"
+            )
+        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("mask: values must be 0 or 1")
+        self._install(mask)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs) -> None:
+        old = self.mask.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        with torch.no_grad():
+            if self.mask.shape == old.shape and not torch.equal(self.mask, old.to(self.mask)):
+                self._changes.add_(1)
+        self._ready = bool(self.mask_ready.item())
+        self._step = int(self.step.item())

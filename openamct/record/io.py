@@ -1,0 +1,46 @@
+"""Read and write record files (protobuf text format, upstream's ScaleOffsetRecord)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from google.protobuf import text_format
+
+from openamct._atomic import atomic_write_bytes
+from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+
+logger = logging.getLogger(__name__)
+
+
+def read_record(path: str) -> ScaleOffsetRecord:
+    """Parse a record file; every problem is a ValueError naming the file (and line:column)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"record_file {path!r} does not exist or is not a file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"record_file {path!r} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"record_file {path!r} cannot be read: {exc}") from None
+    record = ScaleOffsetRecord()
+    try:
+        text_format.Merge(text, record)
+    except text_format.ParseError as exc:
+        raise ValueError(f"record_file {path!r}: {exc}") from None
+    missing = record.FindInitializationErrors()
+    if missing:
+        raise ValueError(f"record_file {path!r}: missing required fields: {', '.join(missing)}")
+    return record
+
+
+def record_to_text(record: ScaleOffsetRecord) -> str:
+    return text_format.MessageToString(record)
+
+
+def write_record(path: str, record: ScaleOffsetRecord) -> None:
+    """Write atomically: temp file in the same folder, fsync, rename."""
+    atomic_write_bytes(path, record_to_text(record).encode("utf-8"))
+    logger.debug("record written to %s", path)

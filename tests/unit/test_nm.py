@@ -1,0 +1,252 @@
+"""2:4 mask computation, the NMSparsifier module and the record mask codec."""
+
+import pytest
+import torch
+from torch import nn
+
+from openamct.prune.mask_codec import pack_mask, unpack_mask
+from openamct.prune.nm import NMSparsifier, compute_nm_mask, nm_axis, nm_eligible, nm_groups
+
+
+def _groups_along(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """[..., 4] view of full groups of 4 along ``axis`` (axis size must be a multiple of 4)."""
+    t = t.movedim(axis, -1)
+    return t.reshape(*t.shape[:-1], t.shape[-1] // 4, 4)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.Conv2d(8, 6, 3), nn.Linear(16, 10), nn.ConvTranspose2d(12, 5, 3), nn.Conv2d(16, 8, 1, groups=2)],
+    ids=["conv2d", "linear", "convtranspose2d", "groupconv"],
+)
+def test_two_of_four_along_input_axis(layer):
+    torch.manual_seed(0)
+    w = layer.weight.detach()
+    axis = nm_axis(layer)
+    mask = compute_nm_mask(w, axis)
+    assert mask.shape == w.shape and mask.dtype == w.dtype
+    assert set(mask.unique().tolist()) <= {0.0, 1.0}
+    groups = _groups_along(mask, axis)
+    assert bool((groups.sum(-1) == 2).all())
+    assert mask.mean().item() == 0.5
+    # The kept two are the two largest magnitudes of each group.
+    mags = _groups_along(w.abs(), axis)
+    kept_min = torch.where(groups.bool(), mags, torch.inf).min(-1).values
+    dropped_max = torch.where(groups.bool(), -torch.inf, mags).max(-1).values
+    assert bool((kept_min >= dropped_max).all())
+
+
+def test_axis_is_input_channels_not_output():
+    # Row 0 of a Linear weight: big values on input channels 0 and 3 -> keep those two.
+    w = torch.tensor([[9.0, 1.0, 2.0, 8.0], [1.0, 2.0, 3.0, 4.0]])
+    assert compute_nm_mask(w, 1).tolist() == [[1, 0, 0, 1], [0, 0, 1, 1]]
+    # Conv2d: group = 4 consecutive input channels at the same (out, kh, kw).
+    conv = torch.zeros(1, 4, 1, 2)
+    conv[0, :, 0, 0] = torch.tensor([1.0, 5.0, 4.0, 2.0])
+    conv[0, :, 0, 1] = torch.tensor([7.0, 1.0, 1.5, 6.0])
+    mask = compute_nm_mask(conv, 1)
+    assert mask[0, :, 0, 0].tolist() == [0, 1, 1, 0]
+    assert mask[0, :, 0, 1].tolist() == [1, 0, 0, 1]
+
+
+def test_nm_axis_kinds():
+    assert nm_axis(nn.Conv2d(4, 4, 1)) == 1
+    assert nm_axis(nn.Linear(4, 4)) == 1
+    assert nm_axis(nn.Conv1d) == 1 and nm_axis("Conv3d") == 1
+    assert nm_axis(nn.ConvTranspose2d(4, 4, 1)) == 0 and nm_axis("ConvTranspose1d") == 0
+    with pytest.raises(ValueError, match="BatchNorm2d"):
+        nm_axis(nn.BatchNorm2d(4))
+    with pytest.raises(TypeError, match="module_or_kind"):
+        nm_axis(3)
+
+
+def test_padding_rule_cin6_and_cin3():
+    # Cin = 6: group [0..3] keeps 2, trailing group of 2 real + 2 padding keeps both real ones.
+    w6 = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.1, 0.2]])
+    assert compute_nm_mask(w6, 1).tolist() == [[0, 1, 1, 0, 1, 1]]
+    # Even an exact zero beats padding.
+    assert compute_nm_mask(torch.tensor([[0.0, 0.0, 0.0]]), 1).tolist() == [[1, 1, 0]]
+    w3 = torch.tensor([[0.5, -3.0, 2.0]])
+    assert compute_nm_mask(w3, 1).tolist() == [[0, 1, 1]]
+    # Same rule on a conv input axis: 6 input channels keep 4 at every (out, kh, kw).
+    m = compute_nm_mask(torch.randn(5, 6, 3, 3), 1)
+    assert bool((m.sum(1) == 4).all())
+
+
+def test_ties_keep_lower_index_and_grouped_transpose():
+    assert compute_nm_mask(torch.ones(2, 8), 1).tolist() == [[1, 1, 0, 0] * 2] * 2
+    # ConvTranspose2d groups=2 with 6 input channels per group: each conv group padded alone.
+    t = nn.ConvTranspose2d(12, 4, 3, groups=2)
+    assert nm_groups(t) == 2
+    mask = compute_nm_mask(torch.ones_like(t.weight), 0, groups=nm_groups(t))
+    assert mask[:, 0, 0, 0].tolist() == [1, 1, 0, 0, 1, 1] * 2
+
+
+def test_eligibility():
+    assert nm_eligible(nn.Conv2d(8, 8, 3)) == (True, "")
+    assert nm_eligible(nn.Linear(3, 2))[0]
+    assert nm_eligible(nn.ConvTranspose2d(4, 4, 2))[0]
+    ok, reason = nm_eligible(nn.Conv2d(16, 16, 3, groups=16))
+    assert not ok and "depthwise" in reason
+    ok, reason = nm_eligible(nn.Conv2d(8, 8, 3, groups=4))  # 2 input channels per group
+    assert not ok and "2 input channel" in reason
+    assert not nm_eligible(nn.Linear(2, 8))[0]
+    assert not nm_eligible(nn.ConvTranspose2d(8, 8, 3, groups=8))[0]
+    ok, reason = nm_eligible(nn.Conv1d(8, 8, 3))
+    assert not ok and "Conv1d" in reason
+    with pytest.raises(ValueError, match="depthwise"):
+        NMSparsifier.from_module(nn.Conv2d(16, 16, 3, groups=16), 0)
+
+
+def _train(layer: nn.Linear, sparsifier: NMSparsifier, steps: int, lr: float = 0.5):
+    """Train so magnitudes reorder: target pushes the initially smallest weights up."""
+    opt = torch.optim.SGD(layer.parameters(), lr=lr)
+    masks = []
+    for _ in range(steps):
+        w = sparsifier(layer.weight)
+        loss = -(w * layer.weight.detach().abs().argsort(1).argsort(1).lt(2)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        masks.append(sparsifier.mask.clone())
+    return masks
+
+
+def _sign_fixed_layer(seed=0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(4, 8) + 0.1)  # positive, so pushing up grows |w|
+    return layer
+
+
+def test_update_freq_zero_keeps_first_mask():
+    layer = _sign_fixed_layer()
+    sp = NMSparsifier(layer.weight.shape, 1, update_freq=0).train()
+    first = compute_nm_mask(layer.weight.detach(), 1)
+    masks = _train(layer, sp, steps=6)
+    assert all(torch.equal(m, first) for m in masks)
+    # The weights did move enough that a recompute would give a different mask.
+    assert not torch.equal(compute_nm_mask(layer.weight.detach(), 1), first)
+    assert sp.step.item() == 6 and bool(sp.mask_ready)
+    assert sp.version == 1
+
+
+def test_update_freq_one_follows_weights():
+    layer = _sign_fixed_layer()
+    sp = NMSparsifier(layer.weight.shape, 1, update_freq=1).train()
+    first = compute_nm_mask(layer.weight.detach(), 1)
+    prev_weights = []
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    for _ in range(4):
+        prev_weights.append(layer.weight.detach().clone())
+        w = sp(layer.weight)
+        # Each forward's mask is the mask of the weights it saw.
+        assert torch.equal(sp.mask, compute_nm_mask(prev_weights[-1], 1))
+        loss = -(w * layer.weight.detach().abs().argsort(1).argsort(1).lt(2)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert not torch.equal(sp.mask, first)
+    assert sp.version >= 2
+
+
+def test_update_freq_three_recomputes_on_schedule():
+    sp = NMSparsifier((2, 4), 1, update_freq=3).train()
+    w = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2)
+    recomputed = []
+    for i in range(7):
+        w = w.flip(1) if i else w  # reorder magnitudes every step
+        before = sp.mask.clone()
+        sp(w)
+        recomputed.append(not torch.equal(before, sp.mask))
+    assert recomputed == [True, False, False, True, False, False, True]
+
+
+def test_eval_never_changes_ready_mask_but_computes_unready():
+    sp = NMSparsifier((1, 4), 1, update_freq=1).eval()
+    out = sp(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    assert out.tolist() == [[0, 0, 3, 4]] and bool(sp.mask_ready)
+    out = sp(torch.tensor([[4.0, 3.0, 2.0, 1.0]]))
+    assert out.tolist() == [[0, 0, 2, 1]] and sp.step.item() == 0
+
+
+def test_gradients_reach_masked_weights():
+    layer = nn.Linear(8, 3)
+    sp = NMSparsifier.from_module(layer, 0).train()
+    x = torch.randn(5, 8)
+    y = nn.functional.linear(x, sp(layer.weight), layer.bias)
+    y.sum().backward()
+    expected = x.sum(0).expand(3, 8)  # d/dW of sum(x W^T), unmasked
+    assert (sp.mask == 0).sum() == 12
+    torch.testing.assert_close(layer.weight.grad, expected)
+    # Forward value is the masked product.
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.weight * sp.mask, layer.bias))
+
+
+def test_state_dict_round_trip_and_set_mask():
+    layer = nn.Conv2d(8, 4, 3)
+    parent = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
+    for _ in range(3):
+        parent["sp"](layer.weight + torch.randn_like(layer.weight))
+    sd = parent.state_dict()
+    assert set(sd) == {"sp.mask", "sp.mask_ready", "sp.step"}
+    assert sd["sp.mask"].dtype == layer.weight.dtype and sd["sp.step"].dtype == torch.int64
+    fresh = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh["sp"].mask, parent["sp"].mask) and fresh["sp"].version == 1
+    # Host-side schedule resumes: step 3 -> forward at step 3 is not a multiple of 2.
+    before = fresh["sp"].mask.clone()
+    fresh["sp"](layer.weight.detach() * 0 + torch.arange(8.0).view(1, 8, 1, 1))
+    assert torch.equal(fresh["sp"].mask, before) and fresh["sp"].step.item() == 4
+    sp = NMSparsifier((4, 8), 1, 0)
+    with pytest.raises(ValueError, match=r"\[4, 4\].*\[4, 8\]"):
+        sp.set_mask(torch.ones(4, 4))
+    with pytest.raises(ValueError, match="0 or 1"):
+        sp.set_mask(torch.full((4, 8), 0.5))
+    recorded = compute_nm_mask(torch.randn(4, 8), 1)
+    sp.set_mask(recorded)
+    assert bool(sp.mask_ready) and sp.version == 1
+    sp.train()(torch.randn(4, 8))  # ready: first training forward keeps the recorded mask
+    assert torch.equal(sp.mask, recorded)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="update_freq"):
+        NMSparsifier((4, 8), 1, -1)
+    with pytest.raises(TypeError, match="update_freq"):
+        NMSparsifier((4, 8), 1, 1.5)
+    with pytest.raises(ValueError, match="axis"):
+        NMSparsifier((4, 8), 2, 0)
+    with pytest.raises(ValueError, match="w: shape"):
+        NMSparsifier((4, 8), 1, 0)(torch.randn(8, 4))
+
+
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 127, 128, 1000, 4099])
+def test_pack_unpack_round_trip(numel):
+    gen = torch.Generator().manual_seed(numel)
+    mask = (torch.rand(numel, generator=gen) > 0.5).float()
+    shape = [numel] if numel % 3 else [3, numel // 3]
+    mask = mask.view(shape)
+    got_shape, words = pack_mask(mask)
+    assert got_shape == shape and len(words) == -(-numel // 64)
+    assert all(-(2**63) <= w < 2**63 for w in words)
+    assert torch.equal(unpack_mask(got_shape, words), mask)
+
+
+def test_pack_layout_and_errors():
+    mask = torch.zeros(70)
+    mask[[0, 2, 63, 64, 69]] = 1
+    shape, words = pack_mask(mask)
+    assert shape == [70]
+    assert words == [1 + 4 - 2**63, 1 + 32]  # bit 63 set -> negative two's complement
+    real = compute_nm_mask(torch.randn(6, 10, 3, 3), 1)
+    assert torch.equal(unpack_mask(*pack_mask(real)), real)
+    with pytest.raises(ValueError, match="2 int64 words do not fit mask shape \\[10\\]"):
+        unpack_mask([10], [1, 2])
+    with pytest.raises(ValueError, match="int64 range"):
+        unpack_mask([64], [2**63])
+    with pytest.raises(ValueError, match="bits set past element 3"):
+        unpack_mask([3], [8])
+    with pytest.raises(ValueError, match="0 or 1"):
+        pack_mask(torch.tensor([0.0, 2.0]))
