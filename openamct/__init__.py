@@ -1,3 +1,30 @@
-"""openamct: AMCT-compatible retrain compression for PyTorch with standard ONNX output."""
+"""openamct: AMCT-compatible retrain compression for PyTorch with standard ONNX output.
+
+``import openamct as amct`` gives the upstream ``amct_pytorch`` retrain API.
+"""
+
+import logging
+
+from openamct.api import (
+    create_compressed_retrain_model,
+    create_prune_retrain_model,
+    create_quant_retrain_config,
+    create_quant_retrain_model,
+    restore_compressed_retrain_model,
+    restore_prune_retrain_model,
+    restore_quant_retrain_model,
+    save_compressed_retrain_model,
+    save_prune_retrain_model,
+    save_quant_retrain_model,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "create_prune_retrain_model", "restore_prune_retrain_model", "save_prune_retrain_model",
+    "create_compressed_retrain_model", "restore_compressed_retrain_model", "save_compressed_retrain_model",
+    "create_quant_retrain_config", "create_quant_retrain_model", "restore_quant_retrain_model",
+    "save_quant_retrain_model",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -82,6 +82,11 @@ def _check_types(cfg: AMCTRetrainConfig, text: str, src: str) -> None:
                                   f"use one of {', '.join(allowed)} (torch class names)")
 
 
+def _f32(value: float) -> float:
+    """The decimal the user wrote, not its float32 neighbour (0.4, not 0.4000000059604645)."""
+    return float(f"{value:.7g}")
+
+
 def _quant_spec(block, layer_type: str) -> QuantSpec | None:
     has_d, has_w = block.HasField("retrain_data_quant_config"), block.HasField("retrain_weight_quant_config")
     if not (has_d or has_w):
@@ -89,7 +94,7 @@ def _quant_spec(block, layer_type: str) -> QuantSpec | None:
     act = ActSpec()
     if has_d and block.retrain_data_quant_config.HasField("ulq_quantize"):
         u = block.retrain_data_quant_config.ulq_quantize
-        clips = (u.clip_max_min.clip_max, u.clip_max_min.clip_min) if u.HasField("clip_max_min") else (None, None)
+        clips = (_f32(u.clip_max_min.clip_max), _f32(u.clip_max_min.clip_min)) if u.HasField("clip_max_min") else (None, None)
         act = ActSpec(clip_max=clips[0], clip_min=clips[1],
                       fixed_min=u.fixed_min if u.HasField("fixed_min") else None)
     wts = WtsSpec(channel_wise=layer_type != "Linear")
@@ -107,7 +112,7 @@ def _prune_spec(block) -> FilterSpec | NMSpec | None:
     p = block.prune_config
     if p.WhichOneof("prune_algo") == "filter_pruner":
         b = p.filter_pruner.balanced_l2_norm_filter_prune
-        return FilterSpec(ratio=float(b.prune_ratio), ascend_optimized=bool(b.ascend_optimized))
+        return FilterSpec(ratio=_f32(b.prune_ratio), ascend_optimized=bool(b.ascend_optimized))
     s = p.n_out_of_m_pruner.l1_selective_prune
     return NMSpec(update_freq=int(s.update_freq))
 

@@ -1,0 +1,102 @@
+"""Argument checks for the public API: each failure names the argument (upstream: check_params)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def check_type(name: str, value: Any, types: type | tuple[type, ...], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, types):
+        want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        if allow_none:
+            want += " or None"
+        raise TypeError(f"{name} must be {want}, got {type(value).__name__}")
+
+
+def unwrap(model: Any) -> Any:
+    """The module inside DistributedDataParallel / DataParallel."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model = model.module
+    return model
+
+
+def check_model(model: Any, name: str = "model") -> nn.Module:
+    check_type(name, model, nn.Module)
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise ValueError(f"{name} is wrapped in {type(model).__name__}: call create_*/restore_* on the plain "
+                         "model first, then wrap the returned model for distributed training")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"{name} has parameters on the meta device ({meta[0]!r} ...): load real weights "
+                         "(e.g. model.to_empty(device='cpu') and load_state_dict) before compressing it")
+    return model
+
+
+def check_input_data(input_data: Any) -> None:
+    def ok(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return True
+        if isinstance(v, (tuple, list)):
+            return all(ok(x) or x is None for x in v)
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and (ok(x) or x is None) for k, x in v.items())
+        return False
+
+    if not ok(input_data) or (isinstance(input_data, (tuple, list, dict)) and len(input_data) == 0):
+        raise TypeError("input_data must be a torch.Tensor, a non-empty tuple/list of tensors, or a dict of "
+                        f"keyword tensors (Hugging Face style), got {type(input_data).__name__}")
+
+
+def check_dynamic_axes(dynamic_axes: Any) -> None:
+    if dynamic_axes is None:
+        return
+    if not isinstance(dynamic_axes, dict):
+        raise ValueError(f"dynamic_axes must be a dict {{name: [axes] or {{axis: 'label'}}}}, got {type(dynamic_axes).__name__}")
+    for key, axes in dynamic_axes.items():
+        if not isinstance(key, str):
+            raise ValueError(f"dynamic_axes keys must be input/output names (str), got {key!r}")
+        if isinstance(axes, (list, tuple)):
+            bad = [a for a in axes if not (isinstance(a, int) and not isinstance(a, bool) and a >= 0)]
+        elif isinstance(axes, dict):
+            bad = [a for a, label in axes.items()
+                   if not (isinstance(a, int) and not isinstance(a, bool) and a >= 0 and isinstance(label, str))]
+        else:
+            raise ValueError(f"dynamic_axes[{key!r}] must be a list of non-negative ints or a dict int -> str, "
+                             f"got {type(axes).__name__}")
+        if bad:
+            raise ValueError(f"dynamic_axes[{key!r}] has invalid axes {bad!r}: use non-negative ints "
+                             "(and str labels in the dict form)")
+
+
+def check_names(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{name} must be a list of str or None, got {value!r}")
+
+
+def save_paths(save_path: str) -> tuple[str, str]:
+    """(fake_quant_path, deploy_path) for AMCT's save_path prefix rules."""
+    check_type("save_path", save_path, str)
+    if not save_path:
+        raise ValueError("save_path must not be empty")
+    if save_path.endswith(("/", os.sep)):
+        folder, prefix = save_path, ""
+    else:
+        folder, base = os.path.split(save_path)
+        folder = folder or "."
+        prefix = base + "_"
+    if not os.path.isdir(folder):
+        raise ValueError(f"save_path {save_path!r}: folder {folder!r} does not exist; create it first")
+    return (os.path.join(folder, f"{prefix}fake_quant_model.onnx"),
+            os.path.join(folder, f"{prefix}deploy_model.onnx"))

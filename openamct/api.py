@@ -1,0 +1,125 @@
+"""The AMCT-named public functions (SPEC §1). Thin: check the arguments, then call the pipeline.
+
+Signatures and argument order follow upstream amct_pytorch exactly, so AMCT scripts switch by
+changing the import line (``import openamct as amct``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from openamct import pipeline
+from openamct._checks import check_dynamic_axes, check_input_data, check_model, check_names, check_type, unwrap
+
+logger = logging.getLogger(__name__)
+
+
+def _check_common(model: Any, input_data: Any, **paths: Any) -> nn.Module:
+    model = check_model(model)
+    check_input_data(input_data)
+    for name, value in paths.items():
+        check_type(name, value, str, allow_none=name in ("state_dict_name", "config_defination"))
+    return model
+
+
+def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, output_names: Any,
+                dynamic_axes: Any, record_file: Any = "") -> nn.Module:
+    model = unwrap(model)
+    check_type("model", model, nn.Module)
+    check_type("save_path", save_path, str)
+    check_type("record_file", record_file, str)
+    check_input_data(input_data)
+    check_names("input_names", input_names)
+    check_names("output_names", output_names)
+    check_dynamic_axes(dynamic_axes)
+    return model
+
+
+# -- 2:4 structured sparsity and channel pruning ("prune" family) --------------------------------
+
+def create_prune_retrain_model(model, input_data, config_defination, record_file):
+    """Return a copy of ``model`` pruned as ``config_defination`` says (filter pruning and/or 2:4);
+    the decisions go to ``record_file``."""
+    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
+    check_type("config_defination", config_defination, str)
+    return pipeline.create(model, input_data, config_defination, record_file, "prune")
+
+
+def restore_prune_retrain_model(model, input_data, record_file, config_defination, pth_file, state_dict_name=None):
+    """Rebuild the pruned model from the original ``model`` and ``record_file``, then load ``pth_file``."""
+    model = _check_common(model, input_data, record_file=record_file, config_defination=config_defination,
+                          pth_file=pth_file, state_dict_name=state_dict_name)
+    check_type("config_defination", config_defination, str)
+    return pipeline.restore(model, input_data, config_defination, record_file, pth_file, state_dict_name, "prune")
+
+
+def save_prune_retrain_model(model, save_path, input_data, input_names=None, output_names=None, dynamic_axes=None):
+    """Fold the masks/pruning into the weights and write the two ONNX files (identical here)."""
+    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes)
+    pipeline.save(model, save_path, input_data, None, input_names, output_names, dynamic_axes)
+
+
+# -- combined sparsity + quantization ("compressed" family) -------------------------------------
+
+def create_compressed_retrain_model(model, input_data, config_defination, record_file):
+    """Prune channels, then 2:4, then insert INT8 quantizers, as ``config_defination`` says."""
+    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
+    check_type("config_defination", config_defination, str)
+    return pipeline.create(model, input_data, config_defination, record_file, "compressed")
+
+
+def restore_compressed_retrain_model(model, input_data, config_defination, record_file, pth_file, state_dict_name=None):
+    """Replay ``record_file`` on the original ``model``, insert the quantizers, load ``pth_file``."""
+    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file,
+                          pth_file=pth_file, state_dict_name=state_dict_name)
+    check_type("config_defination", config_defination, str)
+    return pipeline.restore(model, input_data, config_defination, record_file, pth_file, state_dict_name, "compressed")
+
+
+def save_compressed_retrain_model(model, record_file, save_path, input_data, input_names=None, output_names=None,
+                                  dynamic_axes=None):
+    """Write ``{save_path}_fake_quant_model.onnx`` and ``{save_path}_deploy_model.onnx``."""
+    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file)
+    pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+
+
+# -- quantization-aware training only ("quant" family) --------------------------------------------
+
+def create_quant_retrain_config(config_file, model, input_data, config_defination=None):
+    """Write the per-layer QAT config (JSON) for ``model`` to ``config_file``: from the retrain
+    ``config_defination`` (.cfg) when given, else every supported layer with default settings."""
+    from openamct.config.quant_json import write_quant_json
+
+    check_type("config_file", config_file, str)
+    model = _check_common(model, input_data, config_defination=config_defination)
+    import copy
+
+    analysis = pipeline.analyse(copy.deepcopy(model), input_data, config_defination, "quant")
+    write_quant_json(config_file, analysis.plan)
+
+
+def create_quant_retrain_model(config_file, model, record_file, input_data):
+    """Insert INT8 QAT quantizers as ``config_file`` (JSON from create_quant_retrain_config, or a .cfg) says."""
+    check_type("config_file", config_file, str)
+    model = _check_common(model, input_data, record_file=record_file)
+    return pipeline.create(model, input_data, config_file, record_file, "quant", config_arg="config_file")
+
+
+def restore_quant_retrain_model(config_file, model, record_file, input_data, pth_file, state_dict_name=None):
+    """Rebuild the QAT model from the original ``model`` and load ``pth_file``."""
+    check_type("config_file", config_file, str)
+    model = _check_common(model, input_data, record_file=record_file, pth_file=pth_file,
+                          state_dict_name=state_dict_name)
+    return pipeline.restore(model, input_data, config_file, record_file, pth_file, state_dict_name, "quant",
+                            config_arg="config_file")
+
+
+def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,
+                             output_names=None, dynamic_axes=None):
+    """Write the fake-quant and deploy ONNX models of a QAT model."""
+    check_type("config_file", config_file, str)
+    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file)
+    pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)

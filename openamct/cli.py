@@ -1,0 +1,121 @@
+"""The `openamct` command: demo | inspect | verify | report. The CLI is the only place that prints."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-shape must be comma-separated ints like 1,3,224,224, got {text!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"--input-shape dims must be positive, got {text!r}")
+    return dims
+
+
+def _load_factory(spec: str):
+    if ":" not in spec:
+        raise SystemExit(f"openamct: --model must look like package.module:factory, got {spec!r}")
+    mod_name, _, attr = spec.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"openamct: cannot load --model {spec!r}: {exc}") from None
+    return factory
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from openamct.inspect import format_inspection, inspect_model
+
+    model = _load_factory(args.model)()
+    torch.manual_seed(0)
+    x = torch.randn(*args.input_shape)
+    try:
+        result = inspect_model(model, x, args.config, args.api)
+    except (ValueError, TypeError) as exc:
+        print(f"openamct inspect: {exc}", file=sys.stderr)
+        return 2
+    print(format_inspection(result))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from openamct.export.verify import format_verification, verify_pair
+
+    try:
+        result = verify_pair(args.fake, args.deploy, args.input_shape, batch=args.batch, runs=args.runs)
+    except (ValueError, OSError) as exc:
+        print(f"openamct verify: {exc}", file=sys.stderr)
+        return 2
+    print(format_verification(result))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from openamct.report import format_report, report_record
+
+    try:
+        report = report_record(args.record)
+    except ValueError as exc:
+        print(f"openamct report: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report, as_json=args.json))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from openamct.demo.run import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openamct", description="AMCT-compatible retrain compression for PyTorch")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="compress a real MNIST CNN end to end and report")
+    d.add_argument("--out", default="demo-out", help="folder for ONNX files, report.md and the chart")
+    d.add_argument("--config", default=None, help="retrain config (.cfg); default: examples/demo.cfg")
+    d.add_argument("--epochs", type=int, default=None, help="FP32 training epochs (retraining uses as many)")
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="show the per-layer plan of a config for a model")
+    i.add_argument("--model", required=True, help="package.module:factory returning the model")
+    i.add_argument("--input-shape", required=True, type=_shape, help="e.g. 1,3,224,224")
+    i.add_argument("--config", required=True, help="retrain config (.cfg)")
+    i.add_argument("--api", choices=("prune", "compressed", "quant"), default="compressed")
+    i.set_defaults(func=cmd_inspect)
+
+    v = sub.add_parser("verify", help="run fake-quant and deploy ONNX models on one batch and compare")
+    v.add_argument("fake")
+    v.add_argument("deploy")
+    v.add_argument("--input-shape", required=True, type=_shape)
+    v.add_argument("--batch", type=int, default=None, help="override the first input dim")
+    v.add_argument("--runs", type=int, default=20, help="timed runs per model")
+    v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser("report", help="summarise a record file per layer")
+    r.add_argument("record")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

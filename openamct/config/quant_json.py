@@ -1,0 +1,126 @@
+"""The QAT family's JSON config (what create_quant_retrain_config writes), and the choice
+between it and a .cfg text file wherever a config path is accepted.
+
+Layout (upstream-like, flat): {"version": 1, "batch_num": N, "<layer>": {"retrain_enable": bool,
+"retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8", ["clip_max", "clip_min"],
+["fixed_min"]}, "retrain_weight_config": {"algo": "arq_retrain"|"ulq_retrain", "channel_wise":
+bool, "dst_type": "INT8"}}, ...}. Parsed with json, never evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+
+from openamct._atomic import atomic_write_bytes
+from openamct.config.parse import ConfigError, load_config
+from openamct.config.plan import build_plan
+from openamct.config.specs import QUANT_TYPES, ActSpec, LayerPlan, Plan, QuantSpec, WtsSpec
+from openamct.graph.layers import LayerInfo
+
+
+def _is_json(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256).lstrip()
+    except OSError:
+        return False
+    return head.startswith(b"{")
+
+
+def plan_to_json(plan: Plan) -> dict:
+    data: dict = {"version": 1, "batch_num": plan.batch_num}
+    for name, lp in plan.layers.items():
+        if lp.type not in QUANT_TYPES:
+            continue
+        entry: dict = {"retrain_enable": lp.quant is not None}
+        if lp.quant is not None:
+            a, w = lp.quant.act, lp.quant.wts
+            d = {"algo": "ulq_quantize", "dst_type": a.dst_type}
+            if a.clip_max is not None:
+                d.update(clip_max=a.clip_max, clip_min=a.clip_min)
+            if a.fixed_min is not None:
+                d["fixed_min"] = a.fixed_min
+            entry["retrain_data_config"] = d
+            entry["retrain_weight_config"] = {"algo": f"{w.algo}_retrain", "channel_wise": w.channel_wise,
+                                              "dst_type": w.dst_type}
+        data[name] = entry
+    return data
+
+
+def write_quant_json(path: str, plan: Plan) -> None:
+    atomic_write_bytes(path, (json.dumps(plan_to_json(plan), indent=2) + "\n").encode("utf-8"))
+
+
+def _field(obj: Mapping, key: str, types, where: str, default=None, required=False):
+    if key not in obj:
+        if required:
+            raise ConfigError(f"{where}: missing {key!r}")
+        return default
+    value = obj[key]
+    if not isinstance(value, types) or (isinstance(value, bool) and types in ((int, float), float)):
+        raise ConfigError(f"{where}.{key}: wrong type {type(value).__name__}")
+    return value
+
+
+def plan_from_json(path: str, layers: Mapping[str, LayerInfo], arg: str) -> Plan:
+    src = f"{arg} {path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{src}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src}: the top level must be a JSON object")
+    batch_num = _field(data, "batch_num", int, src, default=1)
+    if batch_num < 1:
+        raise ConfigError(f"{src}: batch_num must be >= 1, got {batch_num}")
+    plan_layers = {n: LayerPlan(n, info.type) for n, info in layers.items()}
+    for name, entry in data.items():
+        if name in ("version", "batch_num"):
+            continue
+        where = f"{src}: layer {name!r}"
+        if name not in layers:
+            raise ConfigError(f"{where} does not exist in the model (or is not a supported layer)")
+        if layers[name].type not in QUANT_TYPES:
+            raise ConfigError(f"{where} is a {layers[name].type}, which is not quantizable")
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: must be an object")
+        if not _field(entry, "retrain_enable", bool, where, default=True) or layers[name].excluded:
+            continue
+        d = _field(entry, "retrain_data_config", dict, where, default={})
+        w = _field(entry, "retrain_weight_config", dict, where, default={})
+        cmax = _field(d, "clip_max", (int, float), where + ".retrain_data_config")
+        cmin = _field(d, "clip_min", (int, float), where + ".retrain_data_config")
+        if (cmax is None) != (cmin is None):
+            raise ConfigError(f"{where}.retrain_data_config: give both clip_max and clip_min or neither")
+        if cmax is not None and not (math.isfinite(cmax) and cmax > 0 and math.isfinite(cmin) and cmin < 0):
+            raise ConfigError(f"{where}.retrain_data_config: need clip_max > 0 > clip_min, got {cmax}, {cmin}")
+        for block, algos in ((d, ("ulq_quantize",)), (w, ("arq_retrain", "ulq_retrain"))):
+            if _field(block, "algo", str, where, default=algos[0]) not in algos:
+                raise ConfigError(f"{where}: algo must be one of {algos}")
+            if _field(block, "dst_type", str, where, default="INT8") != "INT8":
+                raise ConfigError(f"{where}: only dst_type INT8 is supported")
+        act = ActSpec(clip_max=None if cmax is None else float(cmax), clip_min=None if cmin is None else float(cmin),
+                      fixed_min=_field(d, "fixed_min", bool, where))
+        wts = WtsSpec(algo="ulq" if w.get("algo") == "ulq_retrain" else "arq",
+                      channel_wise=_field(w, "channel_wise", bool, where, default=layers[name].type != "Linear"))
+        plan_layers[name].quant = QuantSpec(act, wts)
+    plan = Plan(plan_layers, batch_num, "quant")
+    if plan.is_empty():
+        raise ConfigError(f"{src}: nothing to do: no layer has retrain_enable true")
+    return plan
+
+
+def load_plan_source(path: str, layers: Mapping[str, LayerInfo], api: str, modules: Mapping[str, str],
+                     arg: str) -> Plan:
+    if not isinstance(path, str):
+        raise TypeError(f"{arg} must be a str path, got {type(path).__name__}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{arg} {path!r} does not exist or is not a file")
+    if api == "quant" and _is_json(path):
+        return plan_from_json(path, layers, arg)
+    cfg, text = load_config(path, arg)
+    return build_plan(cfg, layers, api, modules=modules, text=text, src=f"{arg} {path!r}")
