@@ -1,0 +1,214 @@
+"""Balanced L2-norm filter pruning: score channels, choose the kept count, remove channels.
+
+Removal works on the module tree of the (already deep-copied) model. All groups are applied
+at once: removals are first gathered per (module, axis) in the original coordinates, then
+every tensor is sliced once, so a concat consumer's offsets never shift under us.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from openamct.graph.group import PruneGroup
+
+logger = logging.getLogger(__name__)
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_DECONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def channel_scores(weight: torch.Tensor) -> torch.Tensor:
+    """‖W_c‖₂ / (numel/Cout) per output channel (axis 0), min-max normalised to 0..1."""
+    w = weight.detach().to(torch.float64)
+    cout = w.shape[0]
+    s = w.reshape(cout, -1).norm(dim=1) / (w.numel() / cout)
+    span = s.max() - s.min()
+    return (s - s.min()) / span if span > 0 else torch.zeros_like(s)  # all equal: no preference
+
+
+def kept_count(n: int, ratio: float, ascend_optimized: bool, prune_group: int = 1) -> int:
+    """C − round(C·r), rounded up to a multiple of 16 (ascend_optimized) and of prune_group;
+    at least one channel per block. A result >= n means: leave the layer as it is."""
+    remain = n - round(n * ratio)
+    multiple = math.lcm(16, prune_group) if ascend_optimized else prune_group
+    remain = math.ceil(remain / multiple) * multiple
+    return min(max(remain, prune_group), n)
+
+
+def select_removed(scores: torch.Tensor, remain: int, prune_group: int) -> list[int]:
+    """Lowest scores go, the same number in each of ``prune_group`` contiguous blocks;
+    ties remove the lower index first."""
+    n = scores.numel()
+    blk, drop = n // prune_group, (n - remain) // prune_group
+    removed: list[int] = []
+    for b in range(prune_group):
+        order = torch.argsort(scores[b * blk:(b + 1) * blk], stable=True)
+        removed.extend(b * blk + int(i) for i in order[:drop])
+    return sorted(removed)
+
+
+def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
+    """Fill ``group.removed`` for every group (an empty list when the layer is too small)."""
+    modules = dict(model.named_modules())
+    for g in groups:
+        total = torch.zeros(g.channels, dtype=torch.float64)
+        for p in g.producers:
+            if p.name not in modules:
+                raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
+            w = modules[p.name].weight
+            if w.shape[0] != g.channels:
+                raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
+                                 f"its group expects {g.channels}")
+            total += channel_scores(w)  # every producer counts, not just the first
+        remain = kept_count(g.channels, g.ratio, g.ascend_optimized, g.prune_group)
+        g.removed = select_removed(total, remain, g.prune_group) if remain < g.channels else []
+        if not g.removed:
+            logger.info("filter prune: %s left whole (%d channels, ratio %g, %d kept after alignment)",
+                        ", ".join(g.producer_names), g.channels, g.ratio, remain)
+
+
+# -- physical removal ------------------------------------------------------------------------
+
+def _gather(model: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, set[int]]]:
+    """module name -> {"out": positions, "in": positions} in original coordinates."""
+    modules = dict(model.named_modules())
+    cuts: dict[str, dict[str, set[int]]] = {}
+    for g in groups:
+        if not g.removed:
+            continue
+        for m in g.members():
+            if m.is_function:
+                continue
+            if m.name not in modules:
+                raise ValueError(f"filter prune: layer {m.name!r} does not exist in the model")
+            axis = "in" if m.role == "consumer" else "out"
+            cuts.setdefault(m.name, {"out": set(), "in": set()})[axis].update(m.positions(g.removed))
+    return cuts
+
+
+def _keep(n: int, cut: set[int], what: str) -> list[int]:
+    bad = [i for i in cut if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"filter prune: {what}: position {bad[0]} is outside 0..{n - 1}")
+    return [i for i in range(n) if i not in cut]
+
+
+def _blockwise(n: int, blocks: int, cut: set[int], what: str) -> list[list[int]]:
+    """Kept local indices of each of ``blocks`` contiguous blocks; all must keep as many."""
+    keep = set(_keep(n, cut, what))
+    blk = n // blocks
+    kept = [[i - b * blk for i in range(b * blk, (b + 1) * blk) if i in keep] for b in range(blocks)]
+    if len({len(k) for k in kept}) > 1:
+        raise ValueError(f"filter prune: {what}: groups={blocks} needs the same number of channels removed "
+                         f"from each group, got {[blk - len(k) for k in kept]}")
+    return kept
+
+
+Edit = tuple[dict[str, torch.Tensor], dict[str, int]]  # new tensors, new int attributes
+
+
+def _with_bias(m: nn.Module, weight: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
+    return {"weight": weight} if m.bias is None else {"weight": weight, "bias": m.bias.data[rows]}
+
+
+def _cut_conv(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
+    w, g = m.weight.data, m.groups
+    if g > 1 and g == m.in_channels and not isinstance(m, _DECONVS):  # depthwise: follows its input
+        if in_cut:
+            raise ValueError(f"filter prune: depthwise conv {name!r} only loses whole channels")
+        mult = m.out_channels // m.in_channels
+        keep = _keep(m.out_channels, out_cut, f"{name}.out_channels")
+        if any(c * mult + j not in out_cut for c in {p // mult for p in out_cut} for j in range(mult)):
+            raise ValueError(f"filter prune: depthwise conv {name!r} must lose all {mult} outputs of a channel")
+        n = len(keep) // mult  # upstream left out_channels stale here; all four must agree
+        return _with_bias(m, w[keep], keep), {"out_channels": len(keep), "in_channels": n, "groups": n}
+    if isinstance(m, _DECONVS):  # weight (Cin, Cout/g, ...): input channels are rows
+        if out_cut:
+            raise ValueError(f"filter prune: {name!r} ({type(m).__name__}) is only pruned on its input channels")
+        cin_g = m.in_channels // g
+        keep = [b * cin_g + i for b, k in enumerate(_blockwise(m.in_channels, g, in_cut, name)) for i in k]
+        return {"weight": w[keep]}, {"in_channels": len(keep)}
+    cout_g = m.out_channels // g
+    rows = _blockwise(m.out_channels, g, out_cut, f"{name}.out_channels")
+    cols = _blockwise(m.in_channels, g, in_cut, f"{name}.in_channels")
+    # a grouped conv's input channel i of group b sits in column i - b*Cin/g of rows of group b only
+    weight = torch.cat([w[b * cout_g:(b + 1) * cout_g][rows[b]][:, cols[b]] for b in range(g)], 0)
+    keep_rows = [b * cout_g + i for b in range(g) for i in rows[b]]
+    return _with_bias(m, weight, keep_rows), {"out_channels": len(keep_rows), "in_channels": sum(map(len, cols))}
+
+
+def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
+    """The new tensors and sizes of one module; nothing is changed yet."""
+    if isinstance(m, _CONVS + _DECONVS):
+        return _cut_conv(name, m, out_cut, in_cut)
+    if isinstance(m, nn.Linear):
+        rows = _keep(m.out_features, out_cut, f"{name}.out_features")
+        cols = _keep(m.in_features, in_cut, f"{name}.in_features")
+        tensors = {"weight": m.weight.data[rows][:, cols]}
+        if m.bias is not None:
+            tensors["bias"] = m.bias.data[rows]
+        return tensors, {"out_features": len(rows), "in_features": len(cols)}
+    if isinstance(m, _BNS):
+        keep = _keep(m.num_features, out_cut | in_cut, f"{name}.num_features")
+        tensors = {a: getattr(m, a).data[keep] for a in ("weight", "bias", "running_mean", "running_var")
+                   if getattr(m, a, None) is not None}
+        return tensors, {"num_features": len(keep)}
+    raise ValueError(f"filter prune: cannot remove channels of layer {name!r} ({type(m).__name__})")
+
+
+def _commit(m: nn.Module, edit: Edit) -> None:
+    tensors, ints = edit
+    for attr, value in tensors.items():
+        old = getattr(m, attr)
+        if isinstance(old, nn.Parameter):
+            setattr(m, attr, nn.Parameter(value.contiguous().clone(), requires_grad=old.requires_grad))
+        else:
+            m._buffers[attr] = value.contiguous().clone()
+    for attr, value in ints.items():
+        setattr(m, attr, value)
+
+
+def _edits(model: nn.Module, groups: list[PruneGroup]) -> list[tuple[nn.Module, Edit]]:
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        return [(modules[name], _edit(name, modules[name], cut["out"], cut["in"]))
+                for name, cut in _gather(model, groups).items() if cut["out"] or cut["in"]]
+
+
+def validate_removal(model: nn.Module, groups: list[PruneGroup]) -> None:
+    """Raise the ValueError ``apply_removal`` would raise, changing nothing."""
+    _edits(model, groups)
+
+
+def apply_removal(model: nn.Module, groups: list[PruneGroup]) -> None:
+    """Physically remove every group's ``removed`` channels from ``model`` (in place). Every
+    edit is computed and checked first, so a bad group leaves the model untouched."""
+    edits = _edits(model, groups)
+    with torch.no_grad():
+        for module, edit in edits:
+            _commit(module, edit)
+    logger.info("filter prune: removed channels from %d groups (%d layers edited)",
+                sum(1 for g in groups if g.removed), len(edits))
+
+
+def summary(model_before: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, list[int]]]:
+    """Per layer: {"out": [before, after]} for producers, {"in": [before, after]} for consumers
+    (features for BatchNorm / depthwise convs count as "out")."""
+    modules = dict(model_before.named_modules())
+    cuts = _gather(model_before, groups)
+    result: dict[str, dict[str, list[int]]] = {}
+    for name, cut in cuts.items():
+        m = modules[name]
+        if isinstance(m, _BNS):
+            sizes = {"out": m.num_features}
+        elif isinstance(m, nn.Linear):
+            sizes = {"out": m.out_features, "in": m.in_features}
+        else:
+            sizes = {"out": m.out_channels, "in": m.in_channels}
+        result[name] = {axis: [n, n - len(cut[axis])] for axis, n in sizes.items() if cut.get(axis)}
+    return result

@@ -1,0 +1,173 @@
+"""Filter-prune groups <-> PruneRecord messages (upstream AMCT's record shape), and replay.
+
+One PruneRecord per group that removes something. Producers carry ``type``, ``begin``=0,
+``end``=C, ``prune_axis``, ``group`` (conv groups, when not 1), ``prune_group`` and
+``prune_index`` (the removed output channels); consumers (passive layers, function nodes
+and the layers reading the channels) carry ``type``, ``begin``/``end`` (the slice of their
+channel axis this group occupies), ``group`` when not 1 and ``prune_index`` (the removed
+positions, absolute, inside begin..end).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from openamct.graph.group import FUNCTION_OP_TYPES, Member, PruneGroup
+from openamct.prune.filter import validate_removal
+from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
+from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
+
+logger = logging.getLogger(__name__)
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_DECONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_TYPES = {"Conv": _CONVS, "ConvTranspose": _DECONVS, "Gemm": (nn.Linear,), "BatchNormalization": _BNS}
+
+
+def _write_member(node: PruneNode, m: Member) -> None:
+    add_str(node, "type", m.op_type)
+    add_int(node, "begin", m.begin)
+    add_int(node, "end", m.end)
+    if m.group != 1:
+        add_int(node, "group", m.group)
+
+
+def groups_to_records(groups: list[PruneGroup], record: ScaleOffsetRecord) -> None:
+    """Append one PruneRecord per group that removes channels."""
+    for g in groups:
+        if not g.removed:
+            continue
+        pr = record.prune_record.add()
+        for m in g.producers:
+            node = pr.producer.add(name=m.name)
+            _write_member(node, m)
+            add_int(node, "prune_axis", -1 if m.op_type == "Gemm" else 1)
+            add_int(node, "prune_group", g.prune_group)
+            add_ints(node, "prune_index", g.removed)
+        for m in [*g.passive, *g.consumers]:
+            node = pr.consumer.add(name=m.name)
+            _write_member(node, m)
+            add_ints(node, "prune_index", m.positions(g.removed))
+
+
+# -- replay ------------------------------------------------------------------------------------
+
+def _is_depthwise(m: nn.Module) -> bool:
+    return isinstance(m, _CONVS) and m.groups > 1 and m.groups == m.in_channels
+
+
+def _axis_size(m: nn.Module, role: str) -> int:
+    """Size of the axis a record node addresses: outputs for producers and passive layers,
+    inputs for consumers."""
+    if isinstance(m, _BNS):
+        return m.num_features
+    if isinstance(m, nn.Linear):
+        return m.out_features if role == "producer" else m.in_features
+    return m.out_channels if role != "consumer" else m.in_channels
+
+
+class _Reader:
+    def __init__(self, modules: dict[str, nn.Module], idx: int, pr: PruneRecord) -> None:
+        self.modules = modules
+        self.where, self.pr = f"record_file prune_record[{idx}]", pr
+
+    def fail(self, what: str, node: PruneNode, detail: str) -> ValueError:
+        return ValueError(f"{self.where}: {what} {node.name!r} {detail} (record from another model?)")
+
+    def module(self, node: PruneNode, what: str) -> tuple[nn.Module, str]:
+        kind = get_str(node, "type")
+        m = self.modules.get(node.name)
+        if m is None:
+            raise self.fail(what, node, "does not exist in the model")
+        if kind not in _TYPES or not isinstance(m, _TYPES[kind]):
+            raise self.fail(what, node, f"is a {type(m).__name__} in the model, the record says type {kind!r}")
+        group = get_int(node, "group")
+        if group is not None and group != getattr(m, "groups", 1):
+            raise self.fail(what, node, f"has groups={getattr(m, 'groups', 1)}, the record says group={group}")
+        return m, kind
+
+    def span(self, node: PruneNode, m: nn.Module, role: str, what: str) -> tuple[int, int]:
+        begin, end, size = get_int(node, "begin", 0), get_int(node, "end"), _axis_size(m, role)
+        if end is None:
+            raise ValueError(f"{self.where}: {what} {node.name!r} has no 'end' attribute")
+        if role == "producer" and (begin, end) != (0, size):
+            raise self.fail(what, node, f"has {size} output channels, the record says begin={begin} end={end}")
+        if not 0 <= begin < end <= size:
+            raise self.fail(what, node, f"has {size} channels on the pruned axis, the record says "
+                                        f"begin={begin} end={end}")
+        return begin, end
+
+    def producers(self) -> tuple[list[Member], int, list[int], int]:
+        members, removed, prune_group = [], None, 1
+        for node in self.pr.producer:
+            m, kind = self.module(node, "producer")
+            if kind not in ("Conv", "Gemm") or _is_depthwise(m):
+                raise self.fail("producer", node, "cannot be a filter-prune producer")
+            axis = get_int(node, "prune_axis")
+            if axis is not None and axis not in ((-1, 1) if kind == "Gemm" else (1,)):
+                raise self.fail("producer", node, f"is pruned on axis {1 if kind == 'Conv' else -1}, "
+                                                  f"the record says prune_axis={axis}")
+            begin, end = self.span(node, m, "producer", "producer")
+            if members and end != members[0].end:
+                raise self.fail("producer", node, f"has {end} channels, producer {members[0].name!r} "
+                                                  f"has {members[0].end}")
+            idx = sorted(get_ints(node, "prune_index") or [])
+            if removed is not None and idx != removed:
+                raise self.fail("producer", node, "removes other channels than the first producer")
+            removed = idx
+            prune_group = max(prune_group, get_int(node, "prune_group", 1) or 1)
+            members.append(Member(node.name, kind, 0, end, 1, getattr(m, "groups", 1), "producer"))
+        channels = members[0].end
+        if len(set(removed)) != len(removed) or any(not 0 <= c < channels for c in removed):
+            raise ValueError(f"{self.where}: prune_index of {members[0].name!r} must be distinct channels "
+                             f"in 0..{channels - 1}")
+        blk = channels // prune_group
+        if channels % prune_group or len({sum(1 for c in removed if c // blk == b) for b in range(prune_group)}) > 1:
+            raise ValueError(f"{self.where}: prune_group={prune_group} of {members[0].name!r} needs an equal "
+                             f"removal from each of {prune_group} blocks of its {channels} channels")
+        return members, channels, removed, prune_group
+
+    def consumer(self, node: PruneNode, channels: int, removed: list[int]) -> Member:
+        kind = get_str(node, "type")
+        if node.name not in self.modules and kind in FUNCTION_OP_TYPES:  # Add/Concat: no weights
+            begin, end = get_int(node, "begin", 0), get_int(node, "end", channels)
+            return Member(node.name, kind, begin, end, max((end - begin) // channels, 1), 1, "passive")
+        m, kind = self.module(node, "consumer")
+        role = "passive" if isinstance(m, _BNS) or _is_depthwise(m) else "consumer"
+        begin, end = self.span(node, m, role, "consumer")
+        if (end - begin) % channels:
+            raise self.fail("consumer", node, f"spans {end - begin} positions, not a multiple of the "
+                                              f"group's {channels} channels")
+        member = Member(node.name, kind, begin, end, (end - begin) // channels, getattr(m, "groups", 1), role)
+        idx = get_ints(node, "prune_index")
+        if idx is not None and sorted(idx) != member.positions(removed):
+            raise self.fail("consumer", node, "lists other removed positions than its producers imply")
+        return member
+
+
+def groups_from_records(record: ScaleOffsetRecord, model: nn.Module) -> list[PruneGroup]:
+    """Rebuild the filter-prune groups of ``record`` for ``model`` (the original, unpruned
+    model) without re-scoring; any mismatch is a ValueError naming the layer and record."""
+    groups, modules = [], dict(model.named_modules())
+    for idx, pr in enumerate(record.prune_record):
+        if pr.HasField("selective_prune") or not (pr.producer or pr.consumer):
+            continue  # a 2:4 mask record
+        if not pr.producer:
+            raise ValueError(f"record_file prune_record[{idx}] has consumers but no producer")
+        reader = _Reader(modules, idx, pr)
+        producers, channels, removed, prune_group = reader.producers()
+        passive, consumers = [], []
+        for node in pr.consumer:
+            m = reader.consumer(node, channels, removed)
+            (passive if m.role == "passive" else consumers).append(m)
+        groups.append(PruneGroup(producers, consumers, passive, channels, prune_group,
+                                 len(removed) / channels, False, removed))
+        try:  # e.g. a grouped conv that would lose unequal numbers of channels per group
+            validate_removal(model, groups[-1:])
+        except ValueError as exc:
+            raise ValueError(f"record_file prune_record[{idx}]: {exc} (record from another model?)") from None
+    logger.debug("filter prune: %d groups read from the record", len(groups))
+    return groups
