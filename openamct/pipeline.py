@@ -111,7 +111,6 @@ def uninitialised_layers(model: nn.Module) -> list[str]:
 def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | None,
          input_names, output_names, dynamic_axes) -> tuple[str, str]:
     from openamct._checks import save_paths
-    from openamct.export.writer import export_pair
 
     keeper = getattr(model, "_openamct", None)
     if keeper is None:
@@ -125,5 +124,7 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
             "are not initialised yet: run the compressed model on real data first (clips are initialised from the "
             "first batch_num forward passes), e.g. model.eval(); model(x) with a real batch, then call save_* again")
     keeper.flush(record_file)
+    from openamct.export.writer import export_pair
+
     export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes)
     return fake_path, deploy_path

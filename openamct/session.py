@@ -101,10 +101,12 @@ class RecordKeeper:
 
     @staticmethod
     def _quant_entry(layer: nn.Module) -> SingleLayerRecord | None:
-        values = layer.record_values() if hasattr(layer, "record_values") else None
-        if values is None:
+        aq = getattr(layer, "act_quant", None)
+        if aq is None or not bool(aq.initialized):
             return None
-        scale_d, offset_d, scale_w = values
+        scale_d, offset_d = aq.scale_offset()
+        with torch.no_grad():
+            scale_w = [float(s) for s in layer.weight_scales().reshape(-1).tolist()]
         entry = SingleLayerRecord(scale_d=scale_d, offset_d=offset_d)
         entry.scale_w.extend(scale_w)
         entry.offset_w.extend([0] * len(scale_w))

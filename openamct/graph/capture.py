@@ -28,7 +28,10 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def _is_opaque(module: nn.Module) -> bool:
-    """Leaf modules are single ops, unless they are parameter-free user code we can look into."""
+    """Leaf modules are single ops, unless they are parameter-free user code we can look into.
+    Our own wrappers (``_openamct_leaf``) are single ops too, though they hold quantizers."""
+    if getattr(module, "_openamct_leaf", False):
+        return True
     if isinstance(module, _CONTAINERS) or next(module.children(), None) is not None:
         return False
     builtin = type(module).__module__.startswith("torch.nn.")

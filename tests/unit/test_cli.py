@@ -1,0 +1,47 @@
+"""The `openamct` command line: inspect and report (verify and demo have their own tests)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from openamct.cli import main
+from tests.conftest import COMPAT, ROOT, compat_config
+
+
+def test_inspect_prints_the_prune_complete_plan(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rc = main(["inspect", "--model", "tests.models:Net001", "--input-shape", "1,2,28,28",
+               "--config", compat_config("configuration__net_001_prune_complete.cfg"), "--api", "prune"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("layer", "fc."))}
+    assert "filter r=0.4" in rows["layer2.0"] and "align16" not in rows["layer2.0"]
+    # 16 - round(6.4) = 10 kept, rounded up to a multiple of 4: layer5.0 (groups=4) consumes it
+    assert "16 -> 12" in rows["layer2.0"]
+    assert "filter r=0.5 align16" in rows["layer5.0"] and "32 -> 16" in rows["layer5.0"]
+    assert "skipped" in rows["layer1.0"] and "skipped" in rows["fc.0"]
+    assert "depthwise" in rows["layer3.0"]
+    assert "MACs:" in out and "parameters:" in out
+
+
+def test_inspect_bad_config_is_one_line_error(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rc = main(["inspect", "--model", "tests.models:Net001", "--input-shape", "1,2,28,28",
+               "--config", compat_config("configuration__net_001_prune_no_layer.cfg"), "--api", "prune"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "layer 'layer2.3' does not exist" in err and "Traceback" not in err
+
+
+def test_report_reads_upstream_record_as_json(capsys):
+    rc = main(["report", os.path.join(COMPAT, "records", "record_NetTrainBranch.txt"), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    (layer,) = [entry for entry in data["layers"] if entry["layer"] == "layer1.0"]
+    assert layer["channels"] == {"before": 16, "kept": 12, "group": 0}
+
+
+def test_console_script_is_installed():
+    exe = os.path.join(os.path.dirname(sys.executable), "openamct")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "inspect" in out.stdout and "verify" in out.stdout
