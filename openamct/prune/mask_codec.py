@@ -1,8 +1,10 @@
 """Bit-packing of 0/1 sparsity masks into signed int64 words for the prune record.
 
 Layout (SPEC.md section 3, ``selective_prune``'s ``selective_mask``): flatten the mask in C
-order; bit ``i`` (LSB = 0) of word ``k`` holds element ``64 * k + i``; the last word's unused high
-bits are zero. Words are Python ints in the int64 range (two's complement), as ONNX-style
+order; pack 8 elements per byte with the FIRST element in the byte's most significant bit
+(``numpy.packbits``' default), zero-pad to whole 8-byte words and read each 8 bytes as a
+little-endian int64. That is upstream AMCT's layout, so records stay readable both ways. The last
+word's unused bits are zero. Words are Python ints in the int64 range (two's complement), as ONNX-style
 ``ints`` attributes store them.
 """
 
@@ -48,9 +50,9 @@ def pack_mask(mask: Tensor | np.ndarray) -> tuple[list[int], list[int]]:
         bits = flat != 0
     padded = np.zeros(num_words(bits.size) * _BITS, dtype=np.bool_)
     padded[: bits.size] = bits
-    # packbits(little) puts element 8j+i at bit i of byte j; the little-endian 8-byte view then
-    # puts element 64k+i at bit i of word k.
-    words = np.packbits(padded, bitorder="little").view("<i8")
+    # packbits puts element 8j+i at bit (7 - i) of byte j; the 8-byte little-endian view makes
+    # byte j of a word its bits 8j..8j+7 (upstream's order).
+    words = np.packbits(padded, bitorder="big").view("<i8")
     return shape, words.tolist()
 
 
@@ -90,7 +92,7 @@ def unpack_mask(
             raise ValueError(f"words: {bad} is outside the int64 range") from None
         except (TypeError, ValueError) as exc:
             raise TypeError(f"words: expected ints ({exc})") from None
-    bits = np.unpackbits(packed.astype("<i8", copy=False).view(np.uint8), bitorder="little")
+    bits = np.unpackbits(packed.astype("<i8", copy=False).view(np.uint8), bitorder="big")
     if bits[numel:].any():
         raise ValueError(
             f"words: bits set past element {numel} of mask shape {dims}: "

@@ -96,7 +96,6 @@ def compute_nm_mask(
         raise TypeError(f"axis: expected an int, got {type(axis).__name__}")
     if not -weight.dim() <= axis < weight.dim():
         raise ValueError(f"axis: {axis} is out of range for a weight of shape {list(weight.shape)}")
-    axis = axis % weight.dim()
     m = _check_int("m", m, 1)
     n = _check_int("n", n, 0)
     if n > m:
@@ -110,30 +109,49 @@ def compute_nm_mask(
         )
     if weight.numel() == 0:
         return torch.ones_like(weight)
+    return _nm_keep(weight, axis % weight.dim(), n, m, groups).to(weight.dtype)
 
-    with torch.no_grad():
-        mag = weight.detach().abs()
-        mag = torch.nan_to_num_(mag, nan=float("inf"))
-        per_group = channels // groups
-        padded = -(-per_group // m) * m
-        mag = mag.unflatten(axis, (groups, per_group))
-        if padded != per_group:
-            # -1 is below every real magnitude (>= 0): padding always loses.
-            pad_shape = list(mag.shape)
-            pad_shape[axis + 1] = padded - per_group
-            mag = torch.cat([mag, mag.new_full(pad_shape, -1.0)], dim=axis + 1)
-        mag = mag.unflatten(axis + 1, (padded // m, m))
-        pos = mag.unbind(axis + 2)
-        # wins[i] = how many others entry i outranks; keep iff it outranks at least m - n.
-        wins = [torch.zeros_like(pos[0], dtype=torch.uint8) for _ in range(m)]
-        for i in range(m):
-            for j in range(i + 1, m):
-                i_wins = pos[i] >= pos[j]  # tie -> lower index i wins
-                wins[i] += i_wins
-                wins[j] += ~i_wins
-        keep = torch.stack([w >= (m - n) for w in wins], dim=axis + 2)
-        keep = keep.flatten(axis + 1, axis + 2).narrow(axis + 1, 0, per_group)
-        return keep.flatten(axis, axis + 1).to(weight.dtype)
+
+@torch.no_grad()
+def _nm_keep(weight: Tensor, axis: int, n: int, m: int, groups: int) -> Tensor:
+    """Bool keep-flags of :func:`compute_nm_mask` (arguments already validated). Bool, so the
+    sparsifier can copy them straight into its resident mask buffer: allocating a fresh float
+    mask costs more than the comparisons themselves (first-touch page faults)."""
+    mag = torch.nan_to_num_(weight.detach().abs(), nan=float("inf"))
+    channels = weight.shape[axis]
+    per_group = channels // groups
+    padded = -(-per_group // m) * m
+    mag = mag.unflatten(axis, (groups, per_group))
+    if padded != per_group:
+        # -1 is below every real magnitude (>= 0): padding always loses.
+        pad_shape = list(mag.shape)
+        pad_shape[axis + 1] = padded - per_group
+        mag = torch.cat([mag, mag.new_full(pad_shape, -1.0)], dim=axis + 1)
+    mag = mag.unflatten(axis + 1, (padded // m, m))
+    keep = torch.stack(_keep_flags(mag.unbind(axis + 2), n), dim=axis + 2)
+    keep = keep.flatten(axis + 1, axis + 2).narrow(axis + 1, 0, per_group)
+    return keep.flatten(axis, axis + 1)
+
+
+def _keep_flags(pos: Sequence[Tensor], n: int) -> list[Tensor]:
+    """Per position of a group: is it among the n largest? ``pos[i] >= pos[j]`` for i < j
+    means i outranks j (a tie goes to the lower index); keep iff it outranks >= m - n others."""
+    m = len(pos)
+    beats = {(i, j): pos[i] >= pos[j] for i in range(m) for j in range(i + 1, m)}
+    if (n, m) == (2, 4):
+        # Outranking >= 2 of 3 others is a majority vote: bool ops on bytes, ~1.4x faster than
+        # counting in uint8 (update_freq > 0 recomputes this every few steps).
+        def maj(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+            return (a & b) | (c & (a | b))
+
+        b01, b02, b03, b12, b13, b23 = (beats[k] for k in sorted(beats))
+        return [maj(b01, b02, b03), maj(~b01, b12, b13), maj(~b02, ~b12, b23),
+                ~maj(b03, b13, b23)]
+    wins = [torch.zeros_like(pos[0], dtype=torch.uint8) for _ in range(m)]
+    for (i, j), i_wins in beats.items():
+        wins[i] += i_wins
+        wins[j] += ~i_wins
+    return [w >= (m - n) for w in wins]
 
 
 def nm_eligible(module: nn.Module) -> tuple[bool, str]:
@@ -163,11 +181,11 @@ class _MaskSTE(torch.autograd.Function):
     Cheaper than ``w + (w * mask - w).detach()``: one kernel forward, none backward."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, mask: Tensor) -> Tensor:  # noqa: D102
+    def forward(ctx, w: Tensor, mask: Tensor) -> Tensor:
         return w * mask
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
 
 
@@ -178,7 +196,8 @@ class NMSparsifier(nn.Module):
     ``step`` (int64, training forwards seen). In training mode the mask is computed from ``w``
     on the first forward and, with ``update_freq`` > 0, recomputed whenever
     ``step % update_freq == 0``; ``update_freq == 0`` keeps the first mask. Eval mode never
-    recomputes a ready mask (an unready one is computed once so eval works).
+    recomputes a ready mask; an unready one is computed once so eval works, and it then counts
+    as the first-batch mask (same weights unless the caller changed them in between).
 
     With autograd recording, the product is a straight-through estimator: ``d/dw = g``
     unmasked. Without (eval under ``no_grad``, export) it is a plain ``Mul`` with the buffer.
@@ -213,7 +232,7 @@ class NMSparsifier(nn.Module):
         self.groups = _check_int("groups", groups, 1)
         if shape[axis] % self.groups:
             raise ValueError(f"groups: {groups} does not divide weight_shape[{axis}]={shape[axis]}")
-        self.weight_shape = shape
+        self.weight_shape = torch.Size(shape)
         self.axis = axis
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.register_buffer("mask", torch.ones(shape, dtype=dtype, device=device))
@@ -249,7 +268,10 @@ class NMSparsifier(nn.Module):
                 f"update_freq={self.update_freq}, groups={self.groups}")
 
     def forward(self, w: Tensor) -> Tensor:
-        if tuple(w.shape) != self.weight_shape:
+        if not w.is_floating_point():
+            raise TypeError(f"w: expected a floating-point weight, got {w.dtype}")
+        # Skipped under tracing: the comparison would be baked into the trace as a constant.
+        if not torch.jit.is_tracing() and w.shape != self.weight_shape:
             raise ValueError(
                 f"w: shape {list(w.shape)} does not match the sparsifier's weight_shape "
                 f"{list(self.weight_shape)}"
@@ -268,17 +290,20 @@ class NMSparsifier(nn.Module):
 
     @torch.no_grad()
     def _recompute(self, w: Tensor) -> None:
-        new = compute_nm_mask(w, self.axis, groups=self.groups)
-        self._install(new)
+        if w.numel():
+            self._install(_nm_keep(w, self.axis, 2, 4, self.groups))
+        else:
+            self._install(torch.ones_like(self.mask, dtype=torch.bool))
 
     @torch.no_grad()
-    def _install(self, new: Tensor) -> None:
-        new = new.to(device=self.mask.device, dtype=self.mask.dtype)
+    def _install(self, keep: Tensor) -> None:
+        keep = keep.to(device=self.mask.device, dtype=torch.bool)
         if self._ready:
-            self._changes.add_((new != self.mask).any())
+            # A device tensor, not a Python bool: no host sync per recompute.
+            self._changes.add_(torch.ne(self.mask.bool(), keep).any())
         else:
             self._changes.add_(1)
-        self.mask.copy_(new)
+        self.mask.copy_(keep)
         self.mask_ready.fill_(True)
         self._ready = True
 

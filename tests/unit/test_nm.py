@@ -49,6 +49,33 @@ def test_axis_is_input_channels_not_output():
     assert mask[0, :, 0, 1].tolist() == [1, 0, 0, 1]
 
 
+def _reference_mask(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Row-wise (axis -1) reference: pad with -1, keep the n largest, ties to the lower index."""
+    rows = w.abs().reshape(-1, w.shape[-1]).tolist()
+    out = []
+    for row in rows:
+        padded = row + [-1.0] * (-len(row) % m)
+        kept = []
+        for g in range(0, len(padded), m):
+            order = sorted(range(m), key=lambda i: (-padded[g + i], i))[:n]
+            kept += [1.0 if i in order else 0.0 for i in range(m)]
+        out.append(kept[: len(row)])
+    return torch.tensor(out).reshape(w.shape)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (3, 4), (4, 8)])
+@pytest.mark.parametrize("cin", [4, 5, 7, 12])
+def test_matches_reference_with_ties(n, m, cin):
+    gen = torch.Generator().manual_seed(cin * 10 + m)
+    w = torch.randint(-3, 4, (9, cin), generator=gen).float()  # many equal magnitudes
+    got = compute_nm_mask(w, 1, n, m)
+    assert torch.equal(got, _reference_mask(w, n, m))
+    # Same answer through a conv layout (axis 1 of [out, cin, kh, kw]).
+    conv = w.reshape(3, 3, cin).permute(0, 2, 1).unsqueeze(-1).contiguous()
+    expect = got.reshape(3, 3, cin).permute(0, 2, 1).unsqueeze(-1)
+    assert torch.equal(compute_nm_mask(conv, 1, n, m), expect)
+
+
 def test_nm_axis_kinds():
     assert nm_axis(nn.Conv2d(4, 4, 1)) == 1
     assert nm_axis(nn.Linear(4, 4)) == 1
@@ -75,6 +102,11 @@ def test_padding_rule_cin6_and_cin3():
 
 def test_ties_keep_lower_index_and_grouped_transpose():
     assert compute_nm_mask(torch.ones(2, 8), 1).tolist() == [[1, 1, 0, 0] * 2] * 2
+    # NaN ranks as the largest magnitude and the group still keeps exactly two.
+    nan = float("nan")
+    assert compute_nm_mask(torch.tensor([[0.1, nan, 3.0, nan]]), 1).tolist() == [[0, 1, 0, 1]]
+    half = compute_nm_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float16), 1)
+    assert half.dtype == torch.float16 and half.tolist() == [[0, 0, 1, 1]]
     # ConvTranspose2d groups=2 with 6 input channels per group: each conv group padded alone.
     t = nn.ConvTranspose2d(12, 4, 3, groups=2)
     assert nm_groups(t) == 2
@@ -163,6 +195,16 @@ def test_update_freq_three_recomputes_on_schedule():
     assert recomputed == [True, False, False, True, False, False, True]
 
 
+def test_version_counts_only_real_mask_changes():
+    sp = NMSparsifier((2, 4), 1, update_freq=1).train()
+    w = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2)
+    for _ in range(3):
+        sp(w)  # recomputed every forward, identical every time
+    assert sp.version == 1
+    sp(w.flip(1))
+    assert sp.version == 2
+
+
 def test_eval_never_changes_ready_mask_but_computes_unready():
     sp = NMSparsifier((1, 4), 1, update_freq=1).eval()
     out = sp(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
@@ -211,6 +253,31 @@ def test_state_dict_round_trip_and_set_mask():
     assert torch.equal(sp.mask, recorded)
 
 
+@pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export")
+def test_eval_export_is_a_plain_masked_weight(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            self.sp = NMSparsifier.from_module(self.fc, 0)
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.sp(self.fc.weight), self.fc.bias)
+
+    model = Wrapped()
+    model.train()(torch.randn(2, 8))
+    model.eval()
+    x = torch.randn(3, 8)
+    path = tmp_path / "nm.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"])
+    got = ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]
+    expect = nn.functional.linear(x, model.fc.weight * model.sp.mask, model.fc.bias)
+    assert (model.sp.mask == 0).sum() == 16
+    torch.testing.assert_close(torch.from_numpy(got), expect.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="update_freq"):
         NMSparsifier((4, 8), 1, -1)
@@ -232,6 +299,7 @@ def test_pack_unpack_round_trip(numel):
     assert got_shape == shape and len(words) == -(-numel // 64)
     assert all(-(2**63) <= w < 2**63 for w in words)
     assert torch.equal(unpack_mask(got_shape, words), mask)
+    assert pack_mask(mask.bool()) == (shape, words) == pack_mask(mask.numpy())
 
 
 def test_pack_layout_and_errors():
@@ -239,7 +307,11 @@ def test_pack_layout_and_errors():
     mask[[0, 2, 63, 64, 69]] = 1
     shape, words = pack_mask(mask)
     assert shape == [70]
-    assert words == [1 + 4 - 2**63, 1 + 32]  # bit 63 set -> negative two's complement
+    # upstream layout: element 8j+i is bit (7 - i) of byte j, bytes little-endian in the word
+    assert words == [2**7 + 2**5 + 2**56, 2**7 + 2**2]
+    top = torch.zeros(64)
+    top[56] = 1  # most significant bit of the last byte -> negative two's complement
+    assert pack_mask(top)[1] == [-(2**63)]
     real = compute_nm_mask(torch.randn(6, 10, 3, 3), 1)
     assert torch.equal(unpack_mask(*pack_mask(real)), real)
     with pytest.raises(ValueError, match="2 int64 words do not fit mask shape \\[10\\]"):
