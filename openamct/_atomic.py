@@ -31,6 +31,10 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=suffix + ".tmp", dir=folder)
     os.close(fd)
+    # mkstemp creates 0600; give the final file the permissions a plain open() would.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     try:
         yield tmp
         with open(tmp, "rb+") as f:

@@ -1,0 +1,270 @@
+"""The deploy model: the folded model exported with Q/DQ from torch, then an ONNX post-pass that
+makes ONNX Runtime's CPU provider run it as integer kernels (QLinearConv, QGemm, QLinearAdd,
+uint8 MaxPool, QLinear(Global)AveragePool).
+
+Torch side: each quantized layer reads ``QDQAct(input quantizer)`` (uint8, zero point + 128) and
+``WeightQDQ(weight)``; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
+1. Q(W_float) -> int8 initializer (per channel, zero point 0); Conv/Gemm bias -> int32
+   initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
+2. Output quantization, visiting layers (and Adds / average pools whose inputs are quantized) in
+   topological order. If the output reaches, through ops that commute with quantization (Relu,
+   Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze), only input quantizers sharing one
+   (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the
+   way so ORT sees DQ -> op -> Q. Exact: those ops map grid values to grid values and Q is
+   idempotent on its grid. A Relu/Clip right after the layer is stepped over when the quantizer
+   already clips there, so ORT drops it. Adds also reading that tensor (residual identity
+   branches) read DQ(Q(t)) instead, so they become QLinearAdd (the only change of numerics;
+   measured on ResNet-18 b8 both ways: rewired 214 vs 223 ms on a loaded machine, and cosine to
+   the fake-quant model 0.999864 vs 0.999832, since without it more outputs fall back to ranges).
+3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)
+   and an Add feeding an average pool the range its inputs bound (never clips). Gemm outputs stay
+   float: QGemm outputs float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
+
+Alternative measured in benchmarks/deploy_speed.py --builders: quantize_static on the folded
+float model with our input scales as TensorQuantOverrides. Same ORT graph on ResNet-18, slower on
+the MLP (QLinearMatMul + QLinearAdd bias + QLinearMul), and further from the fake-quant model
+(cosine 0.9906 vs 0.99986 on ResNet-18, 0.9993 vs 0.999994 on the MLP): it calibrates every
+tensor we have no trained scale for on ``input_data`` and re-derives weights and biases itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from torch import Tensor, nn
+
+from openamct.export.fold import ExportLayer, QDQAct, WeightQDQ, fold_layers, per_channel_view
+from openamct.export.onnx_graph import OnnxGraph
+from openamct.quant.layer import CompressedLayer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fold_deploy", "finish_deploy"]
+
+INT_ANCHORS = {"Conv", "Gemm"}  # ORT CPU has integer kernels for these (Linear exports as Gemm)
+PASS_OPS = {"Relu", "Clip", "MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
+
+
+def _weight_qdq(layer: CompressedLayer, w: Tensor) -> WeightQDQ | None:
+    if layer.wts_quant is None:
+        return None
+    scales = layer.weight_scales()
+    if not layer.wts_quant.channel_wise:
+        return WeightQDQ(scales, None)
+    w2, axis = per_channel_view(w, layer)
+    if w2.shape != w.shape:
+        # Grouped ConvTranspose: Cout is not one axis of the stored weight, so no per-axis
+        # DequantizeLinear expresses it; kept float (ORT's CPU EP has no integer ConvTranspose).
+        logger.info("deploy: grouped %s weight kept float", layer.layer_type)
+        return None
+    return WeightQDQ(scales, axis)
+
+
+def fold_deploy(model: nn.Module) -> dict[str, tuple[float, float]]:
+    """Fold a working copy in place; return the output-observer range (min, max) of each
+    quantized layer keyed by its weight initializer name ``<layer>.weight``."""
+    def build(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None) -> nn.Module:
+        pre = QDQAct(*layer.act_quant.scale_offset()) if layer.act_quant is not None else None
+        return ExportLayer(layer, w, b, pre=pre, weight_fn=_weight_qdq(layer, w), gemm_2d=True)
+
+    quants = fold_layers(model, build)
+    return {f"{n}.weight": q.out for n, q in quants.items() if q.out is not None and q.act is not None}
+
+
+# -- post-pass ------------------------------------------------------------------------------------
+
+def _quantize_weights(g: OnnxGraph) -> dict[str, str]:
+    """Q(float constant) -> int8 initializer; returns int8 name -> original weight name.
+    (Linear layers export as Gemm with W itself, never W^T: see ExportLayer.gemm_2d.)"""
+    names = {}
+    for q in [n for n in g.nodes if n.op_type == "QuantizeLinear"]:
+        w, s, zp = g.const(q.input[0]), g.const(q.input[1]), g.const(q.input[2])
+        if w is None or s is None or zp is None or zp.dtype != np.int8:
+            continue
+        axis = g.attr(q, "axis", 1) if s.size > 1 else 0
+        shape = [1] * w.ndim
+        if s.size > 1:
+            shape[axis] = -1
+        ints = np.clip(np.rint(w / s.reshape(shape)), -128, 127).astype(np.int8)
+        name = g.add_init(ints, q.input[0] + "_int8")
+        names[name] = q.input[0]
+        g.replace_uses(q.output[0], name)
+        g.remove(q)
+    return names
+
+
+def _bias_to_int32(g: OnnxGraph) -> None:
+    def dq_scale(t: str) -> np.ndarray | None:
+        dq = g.producer(t)
+        return g.const(dq.input[1]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+
+    for n in [n for n in g.nodes if n.op_type in ("Conv", "Gemm") and len(n.input) == 3]:
+        b = g.const(n.input[2])
+        sx, sw = dq_scale(n.input[0]), dq_scale(n.input[1])
+        if b is None or sx is None or sw is None or sx.size != 1 or b.dtype != np.float32 or b.ndim != 1:
+            continue
+        if n.op_type == "Gemm" and (g.attr(n, "alpha", 1.0) != 1.0 or g.attr(n, "beta", 1.0) != 1.0):
+            continue
+        scale = (sx.astype(np.float32) * sw.astype(np.float32)).reshape(-1)
+        q = np.rint(b / scale)
+        if not np.all(np.abs(q) < 2**31 - 1):
+            continue
+        name = g.add_init(q.astype(np.int32), n.input[2] + "_int32")
+        sname = g.add_init(scale if scale.size > 1 else scale.reshape(()), n.input[2] + "_scale")
+        zname = g.add_init(np.zeros(scale.shape if scale.size > 1 else (), np.int32), n.input[2] + "_zp")
+        dq = g.make("DequantizeLinear", [name, sname, zname], axis=0)
+        g.set_input(n, 2, dq.output[0])
+
+
+def _qparams(g: OnnxGraph, q: onnx.NodeProto) -> tuple | None:
+    s, zp = g.const(q.input[1]), g.const(q.input[2]) if len(q.input) > 2 else None
+    if s is None or zp is None or s.size != 1:
+        return None
+    return float(s.reshape(())), int(zp.reshape(())), zp.dtype
+
+
+def _act_qs(g: OnnxGraph, tensor: str) -> list:
+    return [n for n in g.users(tensor) if n.op_type == "QuantizeLinear" and _qparams(g, n) is not None]
+
+
+def _dedupe(g: OnnxGraph) -> None:
+    for op in ("QuantizeLinear", "DequantizeLinear"):
+        seen: dict = {}
+        for n in list(g.nodes):
+            if n.op_type != op or g.const(n.input[0]) is not None:
+                continue
+            p = _qparams(g, n)
+            if p is None:
+                continue
+            key = (n.input[0], p)
+            if key in seen:
+                g.replace_uses(n.output[0], seen[key].output[0])
+                g.remove(n)
+            else:
+                seen[key] = n
+
+
+def _walk(g: OnnxGraph, y: str):
+    """Follow single-consumer pass-through ops from ``y`` to a tensor read only by input
+    quantizers with one qparams (and Adds). Returns (chain, final Q, adds) or None."""
+    chain, t = [], y
+    while not g.is_output(t):
+        users = g.users(t)
+        qs = _act_qs(g, t)
+        params = {_qparams(g, q) for q in qs}
+        if qs and len(params) == 1:
+            adds = [u for u in users if u not in qs]
+            if all(u.op_type == "Add" for u in adds):
+                return chain, qs[0], adds
+            return None
+        if len(users) != 1 or users[0].op_type not in PASS_OPS or len(users[0].output) != 1:
+            return None  # (a MaxPool with an indices output is not a pass-through)
+        chain.append(users[0])
+        t = users[0].output[0]
+    return None
+
+
+def _skippable(g: OnnxGraph, op: onnx.NodeProto, p: tuple) -> bool:
+    """ORT drops a Relu/Clip right before a Q whose representable range lies inside it."""
+    s, zp, dtype = p
+    lo, hi = (np.iinfo(dtype).min - zp) * s, (np.iinfo(dtype).max - zp) * s
+    if op.op_type == "Relu":
+        return lo >= 0.0
+    if op.op_type == "Clip":
+        cmin = g.const(op.input[1]) if len(op.input) > 1 and op.input[1] else None
+        cmax = g.const(op.input[2]) if len(op.input) > 2 and op.input[2] else None
+        return (cmin is None or lo >= float(cmin)) and (cmax is None or hi <= float(cmax))
+    return False
+
+
+def _uint8(lo: float, hi: float) -> tuple[float, int]:
+    s = float(max(np.float32(hi - lo) / np.float32(255), np.finfo(np.float32).eps))
+    return s, int(np.clip(np.rint(-lo / s), 0, 255))
+
+
+def _fallback(g: OnnxGraph, y: str, rng: tuple[float, float]) -> bool:
+    """Q/DQ from a value range (an output observer's, or an Add's input bound); behind a Relu
+    that follows, with the range clipped at 0, so ORT drops the Relu and the step is finer."""
+    lo, hi = rng
+    users = g.users(y)
+    if len(users) == 1 and users[0].op_type in ("Relu", "Clip") and not g.is_output(y):
+        op = users[0]
+        cmin = g.const(op.input[1]) if op.op_type == "Clip" and len(op.input) > 1 and op.input[1] else None
+        cmax = g.const(op.input[2]) if op.op_type == "Clip" and len(op.input) > 2 and op.input[2] else None
+        lo = max(lo, 0.0 if op.op_type == "Relu" else float(cmin) if cmin is not None else lo)
+        hi = min(hi, float(cmax)) if cmax is not None else hi
+        y = op.output[0]
+    if g.is_output(y):
+        return False
+    s, zp = _uint8(min(lo, 0.0), max(hi, 0.0))
+    g.insert_qdq(y, s, zp, np.uint8)
+    return True
+
+
+def _place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
+    """Quantize the output ``y`` of an integer-capable op; True when it ends up quantized."""
+    found = _walk(g, y)
+    if found is None:
+        return rng is not None and _fallback(g, y, rng)
+    chain, q, adds = found
+    p = _qparams(g, q)
+    if chain and chain[0].op_type in ("Relu", "Clip") and _skippable(g, chain[0], p):
+        points = [op.output[0] for op in chain[:-1]]  # layer -> Relu -> Q: ORT drops the Relu
+    else:
+        points = ([y] if chain else []) + [op.output[0] for op in chain[:-1]]
+    for t in points:
+        g.insert_qdq(t, p[0], p[1], p[2])
+    dq = next((u for u in g.users(q.output[0]) if u.op_type == "DequantizeLinear"), None)
+    if dq is None:
+        dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
+    for add in adds:
+        for i, name in enumerate(add.input):
+            if name == q.input[0]:
+                g.set_input(add, i, dq.output[0])
+    return True
+
+
+def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
+    """For an Add of two quantized tensors feeding (through a Relu) an average pool: the range
+    its inputs' ranges bound (never clips), so ORT runs QLinearAdd + QLinearGlobalAveragePool."""
+    users = g.users(add.output[0])
+    if len(users) == 1 and users[0].op_type == "Relu":
+        users = g.users(users[0].output[0])
+    if len(users) != 1 or users[0].op_type not in ("GlobalAveragePool", "AveragePool"):
+        return None
+    lo = hi = 0.0
+    for p in (_qparams(g, g.producer(name)) for name in add.input):
+        if p is None:
+            return None
+        lo, hi = lo + (np.iinfo(p[2]).min - p[1]) * p[0], hi + (np.iinfo(p[2]).max - p[1]) * p[0]
+    return lo, hi
+
+
+def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, float]]) -> onnx.ModelProto:
+    """The ONNX post-pass (module docstring); edits and returns ``model``."""
+    g = OnnxGraph(model)
+    g.constants_to_initializers()
+    int8_names = _quantize_weights(g)
+    _bias_to_int32(g)
+    _dedupe(g)
+    placed = 0
+    for n in g.topological():
+        if n.op_type in INT_ANCHORS:
+            w = n.input[1]
+            dq = g.producer(w)
+            key = int8_names.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else w
+            if g.producer(n.input[0]) is None or g.producer(n.input[0]).op_type != "DequantizeLinear":
+                continue
+            # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
+            # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
+            obs = observers.get(key) if n.op_type == "Conv" else None
+            placed += _place(g, n.output[0], obs)
+        elif n.op_type in ("Add", "GlobalAveragePool", "AveragePool") and all(
+                (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
+            # QLinearAdd / QLinearGlobalAveragePool / QLinearAveragePool once the output is quantized
+            placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
+    g.finish()
+    logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", len(int8_names), placed)
+    return model

@@ -1,0 +1,145 @@
+"""``export_pair``: write the fake-quant and the deploy ONNX models of a compressed model.
+
+Exporter: the TorchScript one (``dynamo=False``, opset 17). Measured here (torch 2.13) on the
+folded ResNet-18: 0.8-1.1 s per model against 4.7 s for dynamo, which also fails on the deploy
+model (torch.export error); it takes ``dynamic_axes``/``input_names`` as AMCT users pass them,
+keeps parameter names as initializer names (the deploy post-pass finds each layer's observer by
+its weight name), and turns ``fake_quantize_*`` into plain QuantizeLinear/DequantizeLinear.
+Opset 17 has LayerNormalization and per-axis Q/DQ and, per their support tables, is read by
+ONNX Runtime since 1.12 and TensorRT's ONNX parser since 8.6.
+
+Files are written atomically (temp file in the same folder, then rename), so a failed save
+leaves any previous file intact and never a half-written one. Models whose tensors exceed
+protobuf's 2 GB limit go out with ONNX external data (``<file>.data`` next to the model).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+
+from openamct._atomic import atomic_path, atomic_write_bytes
+from openamct.export.deploy import finish_deploy, fold_deploy
+from openamct.export.fake_quant import fold_fake_quant, fold_plain
+from openamct.export.fold import compressed_layers, is_quantized, working_copy
+from openamct.graph.capture import split_input_data
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["export_pair", "export_onnx", "write_onnx", "OPSET", "EXTERNAL_DATA_BYTES"]
+
+OPSET = 17
+EXTERNAL_DATA_BYTES = 2**31 - 2**26  # protobuf's 2 GB limit, less room for the graph itself
+
+
+def _default_input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str] | None:
+    """The forward's parameter names (``x``, ``pixel_values``...), in the order the exporter
+    takes the inputs (the signature's), so both files get the same, meaningful input names
+    (the exporter's own, e.g. ``onnx::Mul_0``, depend on the first op and differ between them)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
+        return None
+    if any(not isinstance(a, torch.Tensor) for a in args) or any(
+            v is not None and not isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None  # nested inputs flatten into several ONNX inputs
+    names = [p.name for p in params[:len(args)]]
+    return names + [p.name for p in params[len(args):] if kwargs.get(p.name) is not None]
+
+
+def export_onnx(model: nn.Module, input_data: Any, input_names=None, output_names=None,
+                dynamic_axes=None, work_dir: str | None = None) -> onnx.ModelProto:
+    """TorchScript export to an in-memory ModelProto (external data loaded back in)."""
+    args, kwargs = split_input_data(input_data)
+    if input_names is None:
+        input_names = _default_input_names(model, args, kwargs)
+    if output_names is None:  # ``output`` / ``output_<i>``, not the exporter's numbers that differ per file
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            output_names = ["output"]
+        elif isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+            output_names = [f"output_{i}" for i in range(len(out))]
+    with tempfile.TemporaryDirectory(prefix=".openamct-export-", dir=work_dir) as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+            warnings.filterwarnings("ignore", message=".*No names were found for specified dynamic axes.*")
+            with torch.no_grad():
+                torch.onnx.export(model, args, path, kwargs=kwargs or None, dynamo=False,
+                                  opset_version=OPSET, input_names=input_names,
+                                  output_names=output_names, dynamic_axes=dynamic_axes,
+                                  do_constant_folding=True)
+        return onnx.load(path, load_external_data=True)
+
+
+def _tensor_bytes(model: onnx.ModelProto) -> int:
+    total = sum(len(t.raw_data) for t in model.graph.initializer)
+    return total + sum(len(a.t.raw_data) for n in model.graph.node for a in n.attribute if a.HasField("t"))
+
+
+def write_onnx(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_DATA_BYTES) -> None:
+    """Write ``model`` to ``path`` atomically; external data (``<name>.data``) above the threshold."""
+    if _tensor_bytes(model) <= external_threshold:
+        atomic_write_bytes(path, model.SerializeToString())
+        return
+    folder, base = os.path.split(os.path.abspath(path))
+    data_name = base + ".data"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # onnx.save_model moves tensors out of the proto it is given
+    with tempfile.TemporaryDirectory(prefix=".openamct-save-", dir=folder) as tmp:
+        onnx.save_model(copy, os.path.join(tmp, base), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        for name in (data_name, base):  # data first: the model file must never point at nothing
+            with atomic_path(os.path.join(folder, name)) as target:
+                shutil.move(os.path.join(tmp, name), target)
+    logger.info("%s: written with external data %s", path, data_name)
+
+
+def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: Any,
+                input_names=None, output_names=None, dynamic_axes=None, *,
+                external_threshold: int = EXTERNAL_DATA_BYTES) -> None:
+    """Write ``fake_path`` (float fake-quant model) and ``deploy_path`` (INT8 QDQ model).
+
+    Works on deep copies in eval mode: the caller's model (DDP-wrapped or not) is left as it
+    was. Without any quantized layer (prune-only) both files get the same plain float export.
+    """
+    folder = os.path.dirname(os.path.abspath(fake_path))
+    names = {"input_names": input_names, "output_names": output_names, "dynamic_axes": dynamic_axes,
+             "work_dir": folder}
+    probe = working_copy(model)
+    quantized = any(is_quantized(layer) for layer in compressed_layers(probe).values())
+    if not quantized:
+        proto = export_onnx(fold_plain(probe), input_data, **names)
+        del probe
+        if _tensor_bytes(proto) <= external_threshold:
+            data = proto.SerializeToString()
+            atomic_write_bytes(fake_path, data)
+            atomic_write_bytes(deploy_path, data)
+        else:
+            write_onnx(proto, fake_path, external_threshold)
+            write_onnx(proto, deploy_path, external_threshold)
+        logger.info("no quantized layer: wrote the same float model to %s and %s", fake_path, deploy_path)
+        return
+    # Both models are built before either file is written: a failure leaves the old pair.
+    fake = export_onnx(fold_fake_quant(probe), input_data, **names)
+    del probe
+    work = working_copy(model)
+    observers = fold_deploy(work)
+    deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
+    del work
+    write_onnx(fake, fake_path, external_threshold)
+    write_onnx(deploy, deploy_path, external_threshold)
+    logger.info("wrote %s and %s", fake_path, deploy_path)
+
