@@ -1,0 +1,102 @@
+"""Data-driven initialisation of ULQ activation clips (upstream's IFMR, SPEC §2/§4).
+
+Upstream: take a percentile max/min of the batch (0.999999, so the true extremes for batches
+under a million values), then try clip_max = k * max for k = 0.70, 0.71, ..., 1.30 and keep the
+one whose fake-quantized batch has the smallest MSE. openamct does the same, evaluates all
+candidates at once (chunked, exact on the data, not on a histogram), scores them with the real
+INT8 quantizer (offset included) and, unless clip_min is fixed at 0, then searches clip_min the
+same way with the chosen clip_max (one coordinate-descent round). The search runs once per layer
+on at most ``MAX_SEARCH_ELEMS`` evenly strided values of the batch, which bounds its cost.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from openamct.quant.functions import LEVELS, QMAX, QMIN, SCALE_EPS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["percentile_max_min", "search_clips", "grid_align", "init_clips", "MAX_SEARCH_ELEMS"]
+
+MAX_SEARCH_ELEMS = 1 << 18
+_PERCENTILE = 0.999999
+_RATIOS = (0.7, 1.3, 61)  # start, end, count: 0.01 steps, both ends included
+_CHUNK_ELEMS = 1 << 22  # candidates x values evaluated per chunk (16 MB of float32)
+
+
+def percentile_max_min(x: Tensor, max_percentile: float = _PERCENTILE,
+                       min_percentile: float = _PERCENTILE) -> tuple[float, float]:
+    """Upstream's percentile extremes, clamped so that max >= 0 >= min."""
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    if n == 0:
+        raise ValueError("percentile_max_min: empty tensor")
+    k_max = 1 if 1.0 - max_percentile < 1e-7 else max(1, n - int(max_percentile * n))
+    k_min = 1 if 1.0 - min_percentile < 1e-7 else max(1, n - int(min_percentile * n))
+    hi = flat.max() if k_max == 1 else torch.topk(flat, k_max, largest=True).values[-1]
+    lo = flat.min() if k_min == 1 else torch.topk(flat, k_min, largest=False).values[-1]
+    return max(float(hi), 0.0), min(float(lo), 0.0)
+
+
+def _mse(x: Tensor, cmax: Tensor, cmin: Tensor) -> Tensor:
+    """MSE of the INT8 ULQ quantizer for each (cmax[i], cmin[i]) pair on values x."""
+    scale = ((cmax - cmin) / LEVELS).clamp(min=SCALE_EPS)
+    zp = torch.round(QMIN - cmin / scale).clamp(QMIN, QMAX)
+    out = torch.empty_like(scale)
+    step = max(1, _CHUNK_ELEMS // max(1, x.numel()))
+    for i in range(0, scale.numel(), step):
+        s, z = scale[i:i + step, None], zp[i:i + step, None]
+        q = torch.round(x[None, :] / s).add_(z).clamp_(QMIN, QMAX).sub_(z).mul_(s)
+        out[i:i + step] = q.sub_(x[None, :]).square_().mean(dim=1)
+    return out
+
+
+def _subsample(x: Tensor) -> Tensor:
+    flat = x.detach().reshape(-1).float()
+    if flat.numel() > MAX_SEARCH_ELEMS:
+        stride = -(-flat.numel() // MAX_SEARCH_ELEMS)
+        flat = flat[::stride].contiguous()
+    return flat
+
+
+def search_clips(x: Tensor, max_val: float, min_val: float, fixed_min: bool) -> tuple[float, float]:
+    """MSE search of clip_max over [0.7, 1.3] x max_val, then of clip_min likewise (not fixed)."""
+    flat = _subsample(x)
+    ratios = torch.linspace(*_RATIOS, dtype=torch.float32, device=flat.device)
+    min_val = 0.0 if fixed_min else min_val
+    cmax_c = ratios * max_val
+    cmin_c = torch.full_like(cmax_c, min_val)
+    best_max = float(cmax_c[torch.argmin(_mse(flat, cmax_c, cmin_c))])
+    best_min = min_val
+    if not fixed_min and min_val < 0.0:
+        cmin_c = ratios * min_val
+        best_min = float(cmin_c[torch.argmin(_mse(flat, torch.full_like(cmin_c, best_max), cmin_c))])
+    return best_max, best_min
+
+
+def grid_align(cmax: float, cmin: float) -> tuple[float, float]:
+    """Snap clips to the levels they produce, as upstream stores them: (127-o)s, (-128-o)s."""
+    s = max((cmax - cmin) / LEVELS, SCALE_EPS)
+    o = min(max(round(QMIN - cmin / s), QMIN), QMAX)
+    return (QMAX - o) * s, (QMIN - o) * s
+
+
+def init_clips(x: Tensor, fixed_min: bool, running: tuple[float, float] | None = None
+               ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """One initialisation batch: returns ((clip_max, clip_min), (max, min)) where (max, min) are
+    the percentile extremes merged with ``running`` (earlier batches) that the search started from."""
+    hi, lo = percentile_max_min(x)
+    if running is not None:
+        hi, lo = max(hi, running[0]), min(lo, running[1])
+    if fixed_min:
+        lo = 0.0
+    if hi - lo <= SCALE_EPS:
+        logger.warning("ActULQ clip init: the batch has no spread (all values %.6g); using clip "
+                       "range [%.6g, %.6g]", hi, lo, lo + 1.0)
+        return (lo + 1.0, lo), (hi, lo)
+    cmax, cmin = search_clips(x, hi, lo, fixed_min)
+    return grid_align(cmax, cmin), (hi, lo)

@@ -1,0 +1,233 @@
+"""Quantizer modules. All their runtime state lives in parameters/buffers (SPEC house rules).
+
+- ``ActULQ``: INT8 activation fake quant with learnable clip_max/clip_min (ULQ), initialised from
+  the first ``batch_num`` batches it sees (any mode) unless clips were given.
+- ``WeightARQ`` / ``WeightULQ``: symmetric INT8 weight fake quant, per output channel or per tensor.
+- ``RangeObserver``: running min/max of a tensor (training mode only) for the deploy export.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import Tensor, nn
+
+from openamct.quant.clip_init import init_clips
+from openamct.quant.functions import (
+    SCALE_EPS,
+    arq_scales,
+    arq_weight_fake_quant,
+    graph_mode,
+    ulq_act_fake_quant,
+    ulq_qparams_float,
+    ulq_weight_fake_quant,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ActULQ", "WeightARQ", "WeightULQ", "RangeObserver"]
+
+
+def _check_clip(name: str, value, sign: int) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or (sign > 0 and v <= 0) or (sign < 0 and v >= 0):
+        raise ValueError(f"{name}: must be {'> 0' if sign > 0 else '< 0'}, got {value}")
+    return v
+
+
+def _dist_world() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+class ActULQ(nn.Module):
+    """INT8 ULQ activation quantizer (SPEC §4). One instance may be shared by several layers
+    reading the same tensor; a repeated call on the very same tensor object does not count as
+    another initialisation batch."""
+
+    def __init__(self, clip_max: float | None = None, clip_min: float | None = None,
+                 fixed_min: bool = False, batch_num: int = 1) -> None:
+        super().__init__()
+        if (clip_max is None) != (clip_min is None):
+            raise ValueError("clip_max/clip_min: give both or neither")
+        if not isinstance(fixed_min, bool):
+            raise TypeError(f"fixed_min: expected a bool, got {type(fixed_min).__name__}")
+        if isinstance(batch_num, bool) or not isinstance(batch_num, int):
+            raise TypeError(f"batch_num: expected an int, got {type(batch_num).__name__}")
+        if batch_num < 1:
+            raise ValueError(f"batch_num: must be >= 1, got {batch_num}")
+        given = clip_max is not None
+        cmax = _check_clip("clip_max", clip_max, +1) if given else 1.0
+        cmin = _check_clip("clip_min", clip_min, -1) if given else 0.0
+        self.batch_num = batch_num
+        self.clip_max = nn.Parameter(torch.tensor(cmax))
+        self.clip_min = nn.Parameter(torch.tensor(cmin))
+        self.register_buffer("initialized", torch.tensor(given))
+        self.register_buffer("fixed_min", torch.tensor(fixed_min))
+        self.register_buffer("init_batches", torch.tensor(0, dtype=torch.long))
+        # Extremes over the init batches so far and the sum of the clips each batch chose.
+        self.register_buffer("init_range", torch.zeros(2))
+        self.register_buffer("init_clip_sum", torch.zeros(2, dtype=torch.float64))
+        self._init_last_input: Tensor | None = None  # dedup for shared quantizers, init only
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not graph_mode() and not bool(self.initialized):
+            self._init_step(x)
+        return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+
+    @torch.no_grad()
+    def _init_step(self, x: Tensor) -> None:
+        if self._init_last_input is x:
+            return
+        self._init_last_input = x
+        fixed = bool(self.fixed_min)
+        n = int(self.init_batches)
+        running = (float(self.init_range[0]), float(self.init_range[1])) if n else None
+        (cmax, cmin), (hi, lo) = init_clips(x, fixed, running)
+        world = _dist_world()
+        if world > 1:
+            # Every rank must end with the same clips: average the searched clips, merge ranges.
+            dist = torch.distributed
+            dev = x.device if dist.get_backend() != "gloo" else torch.device("cpu")
+            clips = torch.tensor([cmax, cmin], dtype=torch.float64, device=dev)
+            dist.all_reduce(clips)
+            cmax, cmin = (clips / world).tolist()
+            rng = torch.tensor([hi, -lo], dtype=torch.float64, device=dev)
+            dist.all_reduce(rng, op=dist.ReduceOp.MAX)
+            hi, lo = rng[0].item(), -rng[1].item()
+        self.init_range.copy_(torch.tensor([hi, lo]))
+        self.init_clip_sum += torch.tensor([cmax, cmin], dtype=torch.float64,
+                                           device=self.init_clip_sum.device)
+        n += 1
+        self.init_batches.fill_(n)
+        mean = (self.init_clip_sum / n).tolist()
+        self.clip_max.fill_(mean[0])
+        self.clip_min.fill_(0.0 if fixed else mean[1])
+        if n >= self.batch_num:
+            self.initialized.fill_(True)
+            self._init_last_input = None
+            logger.debug("ActULQ initialised after %d batch(es): clip_max=%.6g clip_min=%.6g",
+                         n, mean[0], mean[1])
+
+    def scale_offset(self) -> tuple[float, int]:
+        """INT8 (scale, offset) of the current clips, exactly as the forward uses them."""
+        s, zp, _, _ = ulq_qparams_float(self.clip_max.item(), self.clip_min.item(),
+                                        bool(self.fixed_min))
+        return s, zp
+
+    def extra_repr(self) -> str:
+        return (f"clip_max={self.clip_max.item():.6g}, clip_min={self.clip_min.item():.6g}, "
+                f"fixed_min={bool(self.fixed_min)}, batch_num={self.batch_num}, "
+                f"initialized={bool(self.initialized)}")
+
+
+class _WeightQuant(nn.Module):
+    def __init__(self, channel_wise: bool, axis: int, groups: int) -> None:
+        super().__init__()
+        if not isinstance(channel_wise, bool):
+            raise TypeError(f"channel_wise: expected a bool, got {type(channel_wise).__name__}")
+        self.channel_wise = channel_wise
+        self.bind(axis, groups)
+
+    def bind(self, axis: int, groups: int = 1) -> None:
+        """Set the output-channel layout of the weights this quantizer sees (``CompressedLayer``
+        calls it): axis 0 for Conv/Linear; axis 1 and the conv's groups for ConvTranspose."""
+        if axis not in (0, 1):
+            raise ValueError(f"axis: must be 0 or 1, got {axis}")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups: must be an int >= 1, got {groups!r}")
+        self.axis, self.groups = axis, groups
+
+    @property
+    def commutes_with_channel_scale(self) -> bool:
+        """q(w * c) == c * q(w) for any per-output-channel c: lets BN folding skip the multiply."""
+        return False
+
+    def extra_repr(self) -> str:
+        return f"channel_wise={self.channel_wise}, axis={self.axis}, groups={self.groups}"
+
+
+class WeightARQ(_WeightQuant):
+    """ARQ: s = max|w|/127 per output channel (or tensor), recomputed every call; STE backward."""
+
+    def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1) -> None:
+        super().__init__(channel_wise, axis, groups)
+
+    @property
+    def commutes_with_channel_scale(self) -> bool:
+        # Symmetric, per-channel, nothing clipped and round() is odd: q(c w) = c q(w) exactly
+        # in real arithmetic, so the folded BN scale can stay out of the training path.
+        return self.channel_wise
+
+    def forward(self, w: Tensor) -> Tensor:
+        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups)
+
+    def scales(self, w: Tensor) -> Tensor:
+        return arq_scales(w, self.channel_wise, self.axis, self.groups)
+
+
+class WeightULQ(_WeightQuant):
+    """ULQ weights: a learnable per-channel (or per-tensor) scale initialised by ARQ from the
+    first weight it sees (``CompressedLayer.wrap`` does that at wrap time so the parameter has
+    its final shape before any optimizer or ``load_state_dict`` sees it)."""
+
+    def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1) -> None:
+        super().__init__(channel_wise, axis, groups)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    @torch.no_grad()
+    def init_from(self, w: Tensor) -> None:
+        s = arq_scales(w, self.channel_wise, self.axis, self.groups).to(self.scale.dtype)
+        if self.scale.shape != s.shape:
+            self.scale.data = s.clone()
+        else:
+            self.scale.copy_(s)
+        self.initialized.fill_(True)
+
+    def forward(self, w: Tensor) -> Tensor:
+        if not graph_mode() and not bool(self.initialized):
+            self.init_from(w)
+        return ulq_weight_fake_quant(w, self.scale, self.axis, self.groups, self.channel_wise)
+
+    def scales(self, w: Tensor | None = None) -> Tensor:
+        return self.scale.detach().float().clamp(min=SCALE_EPS).clone()
+
+
+class RangeObserver(nn.Module):
+    """Exponential moving min/max (first update copies), updated in training mode only."""
+
+    def __init__(self, momentum: float = 0.1) -> None:
+        super().__init__()
+        if not 0.0 < float(momentum) <= 1.0:
+            raise ValueError(f"momentum: must be in (0, 1], got {momentum}")
+        self.momentum = float(momentum)
+        self.register_buffer("min_val", torch.tensor(0.0))
+        self.register_buffer("max_val", torch.tensor(0.0))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and not graph_mode() and x.numel():
+            with torch.no_grad():
+                lo, hi = torch.aminmax(x.detach())
+                lo, hi = lo.float(), hi.float()
+                first = ~self.initialized
+                self.min_val.copy_(torch.where(first, lo, torch.lerp(self.min_val, lo, self.momentum)))
+                self.max_val.copy_(torch.where(first, hi, torch.lerp(self.max_val, hi, self.momentum)))
+                self.initialized.fill_(True)
+        return x
+
+    def scale_offset(self) -> tuple[float, int]:
+        """INT8 asymmetric (scale, offset) over [min(min, 0), max(max, 0)], ULQ convention."""
+        s, zp, _, _ = ulq_qparams_float(self.max_val.item(), self.min_val.item(), False)
+        return s, zp
+
+    def extra_repr(self) -> str:
+        return (f"momentum={self.momentum}, min={float(self.min_val):.6g}, "
+                f"max={float(self.max_val):.6g}, initialized={bool(self.initialized)}")
