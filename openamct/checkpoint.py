@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from collections.abc import Mapping
 
 import torch
@@ -25,7 +24,7 @@ def read_state_dict(pth_file: str, state_dict_name: str | None) -> Mapping[str, 
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     try:
         ckpt = torch.load(pth_file, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # whatever the weights-only unpickler raises on a bad file (also IndexError, KeyError, struct.error)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
             f"pth_file {pth_file!r} was refused: it is not a plain tensor checkpoint that loads with "

@@ -60,7 +60,7 @@ def _field(obj: Mapping, key: str, types, where: str, default=None, required=Fal
             raise ConfigError(f"{where}: missing {key!r}")
         return default
     value = obj[key]
-    if not isinstance(value, types) or (isinstance(value, bool) and types in ((int, float), float)):
+    if not isinstance(value, types) or (isinstance(value, bool) and types in ((int, float), float, int)):
         raise ConfigError(f"{where}.{key}: wrong type {type(value).__name__}")
     return value
 
@@ -70,7 +70,7 @@ def plan_from_json(path: str, layers: Mapping[str, LayerInfo], arg: str) -> Plan
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also too deep nesting, too many digits
         raise ConfigError(f"{src}: not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{src}: the top level must be a JSON object")
