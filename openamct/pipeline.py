@@ -80,9 +80,19 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
             technique.record(ctx, decisions)
         logger.info("%s: %s applied", "restore" if restoring else "create", technique.name)
     wrapped = wrap_layers(ctx)
+    if restoring:
+        _check_quant_entries(ctx.record, wrapped)
     keeper = RecordKeeper(record_file, ctx.record, wrapped)
     keeper.attach(work)
     return work, ctx
+
+
+def _check_quant_entries(record: ScaleOffsetRecord, wrapped: dict[str, nn.Module]) -> None:
+    quantized = {n for n, m in wrapped.items() if getattr(m, "act_quant", None) is not None}
+    for entry in record.record:
+        if entry.key not in quantized:
+            raise ValueError(f"record_file has quantization scales for layer {entry.key!r}, which this model and "
+                             "config do not quantize (record from another model or config?)")
 
 
 def create(model: nn.Module, input_data: Any, config: str, record_file: str, api: str,

@@ -50,7 +50,10 @@ class RecordKeeper:
         self.filter_records = [pr for pr in record.prune_record if not pr.HasField("selective_prune")]
         self.stored_quant = {e.key: e.value for e in record.record}
         self.layers = layers  # name -> CompressedLayer
-        self._mask_versions: dict[str, int] = {}
+        # Masks installed from a record are already in it: only later changes need a write
+        # (an evaluation script restoring from a live job's record must not rewrite it).
+        self._mask_versions = {n: m.sparsity.version for n, m in layers.items()
+                               if getattr(m, "sparsity", None) is not None}
         self._trained = False
 
     # -- hooks -----------------------------------------------------------------------------

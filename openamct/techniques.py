@@ -158,8 +158,8 @@ class Quantization:
             parts["wts_quant"] = make_weight_quantizer(d["spec"].wts, module)
             parts["observe_output"] = True
             if d["bn"] is not None and _foldable(module, get_module(ctx.model, d["bn"])):
-                parts["bn"] = get_module(ctx.model, d["bn"])
-                set_module(ctx.model, d["bn"], nn.Identity())
+                bn = parts["bn"] = get_module(ctx.model, d["bn"])
+                set_module(ctx.model, d["bn"], nn.Identity().train(bn.training))
 
     def record(self, ctx: Context, decisions: dict) -> None:
         """Scales reach the record through the RecordKeeper (first eval forward, or save)."""

@@ -106,6 +106,8 @@ class CompressedLayer(nn.Module):
     """A Conv/ConvTranspose/Linear with optional folded BN, sparsity, input-activation and weight
     quantizers and an output range observer. ``weight``/``bias`` keep the wrapped module's names."""
 
+    _openamct_leaf = True  # graph capture treats it as one op, like the module it wraps
+
     def __init__(self, kind: str, spatial: int, weight: nn.Parameter, bias: nn.Parameter | None,
                  hyper: dict) -> None:
         super().__init__()
@@ -158,7 +160,10 @@ class CompressedLayer(nn.Module):
                 wts_quant.init_from(layer._folded_weight(masked=False).detach())
         if observe_output:
             layer.out_observer = RangeObserver()
+        bn_mode = None if bn is None else bn.training
         layer.train(module.training)
+        if bn is not None:  # a BN the user froze (eval mode) stays frozen inside the layer
+            bn.train(bn_mode)
         return layer
 
     # -- weight path ---------------------------------------------------------------------------
@@ -178,8 +183,15 @@ class CompressedLayer(nn.Module):
             w = self.wts_quant(w)
         return w, b
 
-    def _folded_weight(self, masked: bool = True) -> Tensor:
-        w = self.weight if (self.sparsity is None or not masked) else self.sparsity(self.weight)
+    def _folded_weight(self, masked: bool = True, step: bool = True) -> Tensor:
+        """BN-folded weight. ``step=False`` applies the installed mask without calling the
+        sparsifier, whose training-mode call counts a batch (and may recompute the mask)."""
+        if self.sparsity is None or not masked:
+            w = self.weight
+        elif step:
+            w = self.sparsity(self.weight)
+        else:
+            w = self.weight * self.sparsity.mask.to(self.weight.dtype)
         if self.bn is not None:
             w = scale_out_channels(w, bn_scale(self.bn), self.weight_axis, self.weight_groups)
         return w
@@ -189,7 +201,7 @@ class CompressedLayer(nn.Module):
         They include |gamma/sigma| when a BN is folded."""
         if self.wts_quant is None:
             return None
-        return self.wts_quant.scales(self._folded_weight().detach())
+        return self.wts_quant.scales(self._folded_weight(step=False).detach())
 
     # -- forward -------------------------------------------------------------------------------
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

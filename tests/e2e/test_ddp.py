@@ -95,10 +95,7 @@ def test_ddp_ranks_agree_record_restore_and_save(scenarios, api):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("api", [
-    "qat", "nm",
-    pytest.param("combined", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: rank 0's record writes step the 2:4 schedule (see "
-        "test_writing_the_record_does_not_step_the_2_4_schedule), so its masks run ahead of rank 1's"))),
+    "qat", "nm", "combined",
 ])
 def test_ddp_state_at_train_end(scenarios, api):
     """Right after the last training step every quantizer and sparsity state agrees across
@@ -109,8 +106,6 @@ def test_ddp_state_at_train_end(scenarios, api):
     assert all(k.endswith(("running_mean", "running_var")) or ".out_observer." in k for k in local), local
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: RecordKeeper.build -> CompressedLayer.weight_scales -> "
-                                       "_folded_weight runs the 2:4 sparsifier's training forward")
 def test_writing_the_record_does_not_step_the_2_4_schedule(tmp_path):
     """Single-process root cause of the DDP divergence above: 6 training forwards must leave
     the sparsifier's step counter at 6 however often the record is rewritten in between."""

@@ -413,8 +413,6 @@ def test_restore_from_mutated_records(ours, data):
         assert torch.equal(model(X), ours["y"])
 
 
-@pytest.mark.xfail(strict=True, reason="library gap: restore keeps quant entries of layers the model does "
-                                       "not quantize (record from another model) instead of refusing them")
 def test_record_with_quant_entry_for_unknown_layer_is_refused(ours, tmp_path):
     rec = tmp_path / "other.txt"
     rec.write_text(ours["text"].replace('key: "fc"', 'key: "no_such_layer"'))

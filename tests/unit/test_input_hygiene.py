@@ -173,15 +173,11 @@ def test_model_in_eval_mode_works_and_stays_in_eval_mode(api, files):
     assert c.training is True
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: the nn.Identity that replaces a folded BN is created in "
-                                       "training mode (techniques.Quantization.apply)")
 def test_eval_mode_is_preserved_for_every_module(files):
     c = create("quant", Net().eval(), files)
     assert not any(modes(c).values()), {n for n, t in modes(c).items() if t}
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: CompressedLayer.wrap sets a folded BN to the conv's mode, "
-                                       "so a BN the user froze with bn.eval() starts updating its statistics")
 def test_frozen_batchnorm_in_a_training_model_keeps_its_mode(files):
     model = Net().train()
     model.bn.eval()  # the usual fine-tuning pattern: BN statistics frozen
