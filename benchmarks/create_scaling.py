@@ -56,11 +56,11 @@ def main() -> None:
     for n in (18, 66, 258):
         model = resnet_with_conv_layers(n).eval()
         model(x)  # warm up kernels once
-        t_plan = timed(lambda: pipeline.analyse(copy.deepcopy(model), x, cfgs["quant"], "compressed"))
-        t_fx = timed(lambda: torch.fx.symbolic_trace(model))
-        t_export = timed(lambda: torch.export.export(model, (x,), strict=False), repeat=1)
-        t_quant = timed(lambda: amct.create_compressed_retrain_model(model, x, cfgs["quant"], rec))
-        t_prune = timed(lambda: amct.create_compressed_retrain_model(model, x, cfgs["prune"], rec))
+        t_plan = timed(lambda m=model: pipeline.analyse(copy.deepcopy(m), x, cfgs["quant"], "compressed"))
+        t_fx = timed(lambda m=model: torch.fx.symbolic_trace(m))
+        t_export = timed(lambda m=model: torch.export.export(m, (x,), strict=False), repeat=1)
+        t_quant = timed(lambda m=model: amct.create_compressed_retrain_model(m, x, cfgs["quant"], rec))
+        t_prune = timed(lambda m=model: amct.create_compressed_retrain_model(m, x, cfgs["prune"], rec))
         rows[n] = (t_quant, t_prune)
         up_q, up_p = UPSTREAM_QUANT.get(n), UPSTREAM_PRUNE.get(n)
         ratio_q = f"{up_q / t_quant:5.1f}x" if up_q else "    -"

@@ -12,7 +12,14 @@ from typing import Any
 from torch import nn
 
 from openamct import pipeline
-from openamct._checks import check_dynamic_axes, check_input_data, check_model, check_names, check_type, unwrap
+from openamct._checks import (
+    check_dynamic_axes,
+    check_input_data,
+    check_model,
+    check_names,
+    check_type,
+    unwrap,
+)
 
 logger = logging.getLogger(__name__)
 

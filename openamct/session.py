@@ -17,7 +17,11 @@ from torch import nn
 from openamct.prune.mask_codec import pack_mask, unpack_mask
 from openamct.record import attrs
 from openamct.record.io import write_record
-from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord, SingleLayerRecord
+from openamct.record.scale_offset_record_pb2 import (
+    PruneRecord,
+    ScaleOffsetRecord,
+    SingleLayerRecord,
+)
 
 logger = logging.getLogger(__name__)
 

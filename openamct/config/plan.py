@@ -15,8 +15,19 @@ from collections.abc import Mapping
 
 from openamct.config.parse import ConfigError, locate
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
-from openamct.config.specs import (ALL_TYPES, FILTER_TYPES, NM_TYPES, QUANT_TYPES, ActSpec, FilterSpec,
-                                   LayerPlan, NMSpec, Plan, QuantSpec, WtsSpec)
+from openamct.config.specs import (
+    ALL_TYPES,
+    FILTER_TYPES,
+    NM_TYPES,
+    QUANT_TYPES,
+    ActSpec,
+    FilterSpec,
+    LayerPlan,
+    NMSpec,
+    Plan,
+    QuantSpec,
+    WtsSpec,
+)
 from openamct.config.validate import has_prune, has_quant, validate_fields
 from openamct.graph.layers import LayerInfo
 
