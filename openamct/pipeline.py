@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from openamct.checkpoint import load_into
@@ -107,8 +108,28 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     work, _ = _build(model, input_data, config, record_file, api, True, config_arg)
+    recorded = work._openamct.recorded_masks()
     load_into(work, pth_file, state_dict_name)
+    _keep_record_masks(work, recorded)
     return work
+
+
+def _keep_record_masks(work: nn.Module, recorded: dict[str, torch.Tensor]) -> None:
+    """The record is the source of truth for 2:4 masks; a checkpoint holds them too (buffers).
+    They differ when the checkpoint was saved before a later mask update was recorded (update_freq
+    > 0), or when it comes from another run: the record's masks win, and the user is told."""
+    keeper = work._openamct
+    differ = []
+    for name, mask in recorded.items():
+        sp = keeper.layers[name].sparsity
+        if not torch.equal(sp.mask.bool(), mask):
+            differ.append(name)
+            sp.set_mask(mask)
+    if differ:
+        logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's; using the record's "
+                       "(was the checkpoint saved before the masks last changed?)", len(differ),
+                       ", ".join(differ[:4]) + (" ..." if len(differ) > 4 else ""))
+    keeper.mark_masks_recorded()
 
 
 def uninitialised_layers(model: nn.Module) -> list[str]:

@@ -56,9 +56,8 @@ class RecordKeeper:
         self.layers = layers  # name -> CompressedLayer
         # Masks installed from a record are already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
-        self._mask_versions = {n: m.sparsity.version for n, m in layers.items()
-                               if getattr(m, "sparsity", None) is not None}
         self._trained = False
+        self.mark_masks_recorded()
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
@@ -76,6 +75,16 @@ class RecordKeeper:
             self._trained = False
         if eval_after_training or self._masks_changed():
             self.flush()
+
+    def recorded_masks(self) -> dict[str, torch.Tensor]:
+        """Copies of the masks installed from the record (ready sparsifiers), as bool tensors."""
+        return {n: m.sparsity.mask.detach().bool().clone() for n, m in self.layers.items()
+                if getattr(m, "sparsity", None) is not None and m.sparsity._ready}
+
+    def mark_masks_recorded(self) -> None:
+        """The masks in the model now are the record's: no rewrite is due for them."""
+        self._mask_versions = {n: m.sparsity.version for n, m in self.layers.items()
+                               if getattr(m, "sparsity", None) is not None}
 
     def _masks_changed(self) -> bool:
         for name, layer in self.layers.items():
