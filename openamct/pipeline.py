@@ -110,25 +110,24 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
     work, _ = _build(model, input_data, config, record_file, api, True, config_arg)
     recorded = work._openamct.recorded_masks()
     load_into(work, pth_file, state_dict_name)
-    _keep_record_masks(work, recorded)
+    _compare_masks(work, recorded)
     return work
 
 
-def _keep_record_masks(work: nn.Module, recorded: dict[str, torch.Tensor]) -> None:
-    """The record is the source of truth for 2:4 masks; a checkpoint holds them too (buffers).
-    They differ when the checkpoint was saved before a later mask update was recorded (update_freq
-    > 0), or when it comes from another run: the record's masks win, and the user is told."""
+def _compare_masks(work: nn.Module, recorded: dict[str, torch.Tensor]) -> None:
+    """Restore installs the record's 2:4 masks, then the checkpoint's own copies (buffers) load over
+    them. Both agree unless masks changed between the checkpoint and the last record write
+    (update_freq > 0): then the checkpoint's masks are kept, because they are the ones its
+    weights and step counter were trained with (an exact resume), and the user is told. The
+    record is not rewritten here: an evaluation script must not touch a live job's record; the
+    resumed job rewrites it at its next mask change or eval forward after training."""
     keeper = work._openamct
-    differ = []
-    for name, mask in recorded.items():
-        sp = keeper.layers[name].sparsity
-        if not torch.equal(sp.mask.bool(), mask):
-            differ.append(name)
-            sp.set_mask(mask)
+    differ = [name for name, mask in recorded.items()
+              if not torch.equal(keeper.layers[name].sparsity.mask.bool(), mask)]
     if differ:
-        logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's; using the record's "
-                       "(was the checkpoint saved before the masks last changed?)", len(differ),
-                       ", ".join(differ[:4]) + (" ..." if len(differ) > 4 else ""))
+        logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's (the record was "
+                       "rewritten after this checkpoint, update_freq > 0); using the checkpoint's, which belong to "
+                       "its weights", len(differ), ", ".join(differ[:4]) + (" ..." if len(differ) > 4 else ""))
     keeper.mark_masks_recorded()
 
 

@@ -358,3 +358,18 @@ MODELS: dict[str, type[nn.Module]] = {
 def example_input(name: str, seed: int = 0) -> torch.Tensor:
     """A reproducible random input of ``INPUT_SHAPES[name]`` (own generator, global RNG untouched)."""
     return torch.randn(INPUT_SHAPES[name], generator=torch.Generator().manual_seed(seed))
+
+
+class TwoConvNet(nn.Module):
+    """conv1 (3 -> 8) -> ReLU -> conv2 (8 -> 4) = the model output: under filter pruning conv1 can
+    lose channels, conv2 cannot (its channels are the output). MACs and parameters are easy to
+    count by hand. Not in ``MODELS``: used by name (``tests.models:TwoConvNet``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        return self.conv2(self.relu(self.conv1(x)))

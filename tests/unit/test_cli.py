@@ -25,6 +25,24 @@ def test_inspect_prints_the_prune_complete_plan(capsys, monkeypatch):
     assert "MACs:" in out and "parameters:" in out
 
 
+def test_inspect_counts_reduction_and_names_blocked_groups(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    cfg = tmp_path / "f.cfg"
+    cfg.write_text("prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_ratio: 0.5 "
+                   "ascend_optimized: false } } }\n")
+    rc = main(["inspect", "--model", "tests.models:TwoConvNet", "--input-shape", "1,3,8,8", "--config", str(cfg),
+               "--api", "prune"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    # by hand: conv1 3*8*9 = 216 weights, 64 positions -> 13,824 MACs; conv2 8*4*9 = 288, 18,432 MACs.
+    # conv1 keeps 4 channels (conv2 loses the matching inputs); conv2 is the output and stays whole.
+    assert "parameters: 504 -> 252 (50.0% fewer)" in out
+    assert "MACs:       32,256 -> 16,128 (50.0% fewer)" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("conv")}
+    assert "8 -> 4" in rows["conv1"] and rows["conv2"].rstrip().endswith("4")
+    assert "not pruned: group conv2: stopped at output: the channels reach the graph output" in out
+
+
 def test_inspect_bad_config_is_one_line_error(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     rc = main(["inspect", "--model", "tests.models:Net001", "--input-shape", "1,2,28,28",

@@ -70,9 +70,10 @@ def test_restore_takes_masks_from_record_not_from_weights(tmp_path):
         amct.restore_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], rec, cfg(tmp_path, 0), ck)
 
 
-def test_record_masks_win_over_the_checkpoints(tmp_path, caplog):
-    # update_freq > 0: the checkpoint was saved, then the masks changed and the record was
-    # rewritten. Restoring must use the record's masks, say so, and leave the record alone.
+def test_checkpoint_masks_newer_or_older_than_the_record(tmp_path, caplog):
+    # update_freq > 0: masks changed after the checkpoint and the record was rewritten. Restore
+    # keeps the checkpoint's masks (they belong to its weights: the resume is exact), names the
+    # layers, and does not rewrite the record until training goes on.
     x = torch.randn(4, 3, 32, 32)
     rec, ck = str(tmp_path / "rec.txt"), str(tmp_path / "ck.pth")
     model = amct.create_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, 0), rec)
@@ -82,25 +83,25 @@ def test_record_masks_win_over_the_checkpoints(tmp_path, caplog):
     sd = model.state_dict()
     name = next(n for n in layers(model))
     key = f"{name}.sparsity.mask"
-    stale = sd[key].flip(layers(model)[name].sparsity.axis)  # another valid 2:4 pattern
-    assert not torch.equal(stale, sd[key])
-    torch.save({"state_dict": {**sd, key: stale}}, ck)
+    other = sd[key].flip(layers(model)[name].sparsity.axis)  # another valid 2:4 pattern
+    assert not torch.equal(other, sd[key])
+    torch.save({"state_dict": {**sd, key: other}}, ck)
     before = open(rec, "rb").read()
     recorded = masks_in_record(read_record(rec))
     with caplog.at_level(logging.WARNING, logger="openamct"):
         restored = amct.restore_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], rec, cfg(tmp_path, 0), ck,
                                                     "state_dict")
-    for n, m in layers(restored).items():
-        assert torch.equal(m.sparsity.mask.bool(), recorded[n].bool()), n
-    assert any(name in r.getMessage() and "record" in r.getMessage() for r in caplog.records), caplog.text
+    masks = {n: m.sparsity.mask.bool() for n, m in layers(restored).items()}
+    assert torch.equal(masks[name], other.bool())
+    assert all(torch.equal(masks[n], recorded[n]) for n in masks if n != name)
+    assert any(name in r.getMessage() and "checkpoint" in r.getMessage() for r in caplog.records), caplog.text
     restored.eval()
     restored(x)
-    assert open(rec, "rb").read() == before  # restoring and evaluating does not rewrite the record
+    assert open(rec, "rb").read() == before  # restoring and evaluating leave the record alone
     train(restored, x, steps=1)
     restored.eval()
-    restored(x)  # an eval forward after training rewrites the record: still the same masks
-    after = masks_in_record(read_record(rec))
-    assert after.keys() == recorded.keys() and all(torch.equal(after[n], recorded[n]) for n in recorded)
+    restored(x)  # eval after training: the record now holds the model's masks
+    assert torch.equal(masks_in_record(read_record(rec))[name], other.bool())
 
 
 def test_update_freq_1_masks_follow_the_weights(tmp_path):
