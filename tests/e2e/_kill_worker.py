@@ -15,6 +15,10 @@ fsynced) just before the write starts: the test checks that the record file on d
 exactly one of them. This only observes the writes; they are openamct's own.
 
 stdout: ``ready <step>`` once training starts, ``ckpt <step>`` after each checkpoint is in place.
+
+``--pause-in-record-write``: the worker's ``os.replace`` (a test-side wrapper, nothing in
+openamct changes) announces ``writing <tmp>`` and sleeps before renaming a finished temporary
+record over the real one, so the test can kill the process exactly inside a record write.
 """
 
 from __future__ import annotations
@@ -83,12 +87,29 @@ def journal_record_writes(workdir: str) -> None:
     session.write_record = journaled
 
 
+def pause_in_record_writes() -> None:
+    import time
+
+    replace = os.replace
+
+    def slow_replace(src, dst, *args, **kwargs):
+        if os.path.basename(dst) == RECORD:
+            print(f"writing {os.path.basename(src)}", flush=True)
+            time.sleep(60)
+        return replace(src, dst, *args, **kwargs)
+
+    os.replace = slow_replace
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir")
     ap.add_argument("--steps", type=int, default=10**9, help="stop after this many steps in all")
     ap.add_argument("--ckpt-every", type=int, default=3)
+    ap.add_argument("--pause-in-record-write", action="store_true")
     args = ap.parse_args()
+    if args.pause_in_record_write:
+        pause_in_record_writes()
     torch.set_num_threads(1)
 
     import openamct as amct

@@ -35,14 +35,17 @@ from tests.e2e._kill_worker import CFG, CKPT, JOURNAL, RECORD, KillNet, data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS, KILLS_PER_RUN = 3, 7
+IN_WRITE = 5  # the kill of each run that lands inside a record write, by construction
 NM_LAYERS = {"conv1.0", "conv2.0", "fc1", "fc2"}
 QUANT_LAYERS = NM_LAYERS
 
 
-def start(workdir: str, steps: int | None = None) -> subprocess.Popen:
+def start(workdir: str, steps: int | None = None, pause_in_write: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tests.e2e._kill_worker", workdir]
     if steps is not None:
         cmd += ["--steps", str(steps)]
+    if pause_in_write:
+        cmd.append("--pause-in-record-write")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -58,6 +61,23 @@ def wait_ready(proc: subprocess.Popen, timeout: float = 60.0) -> int:
                 break
     proc.kill()
     raise AssertionError(f"worker did not start: rc={proc.wait()} stderr={proc.stderr.read()[-3000:]}")
+
+
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60.0) -> str:
+    """Read stdout up to and including the first line starting with ``prefix``; returns it all."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            seen += line
+            if line.startswith(prefix):
+                return seen
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise AssertionError(f"worker never printed {prefix!r}: rc={proc.wait()} stderr={proc.stderr.read()[-3000:]}")
 
 
 def announced_steps(stdout: str) -> list[int]:
@@ -113,9 +133,12 @@ def test_sigkill_at_random_points_never_loses_data(tmp_path):
         last = -1
         temps_before: set[str] = set()
         for k in range(KILLS_PER_RUN):
-            proc = start(workdir)
+            proc = start(workdir, pause_in_write=k == IN_WRITE)
+            consumed = ""
             if k in (0, 3):  # early: during start-up, create/restore or the first record writes
                 time.sleep(rng.uniform(1.0, 3.5))
+            elif k == IN_WRITE:  # exactly inside a record write: temp file complete, not renamed yet
+                consumed = wait_for_line(proc, "writing ")
             else:
                 resumed_at = wait_ready(proc)
                 assert resumed_at >= max(last, 0)  # resumed from the newest checkpoint, nothing lost
@@ -124,7 +147,7 @@ def test_sigkill_at_random_points_never_loses_data(tmp_path):
             out, err = proc.communicate(timeout=30)
             assert proc.returncode == -signal.SIGKILL, err[-3000:]
             kills += 1
-            last = max([last, *announced_steps(out)])
+            last = max([last, *announced_steps(consumed + out)])
             found = check_state(workdir, last)
             restored += "step" in found
             with_temp += bool(set(found["temps"]) - temps_before)  # this kill hit a write
@@ -141,4 +164,5 @@ def test_sigkill_at_random_points_never_loses_data(tmp_path):
           f"matched bit for bit, {with_temp} kills landed inside a file write, "
           f"checkpoint steps {steps_seen}, {elapsed:.0f} s")
     assert kills == RUNS * KILLS_PER_RUN
+    assert with_temp >= RUNS  # at least the kills placed inside a write left a temporary file behind
     assert restored >= kills // 2  # most kills came after a checkpoint, so restore was exercised
