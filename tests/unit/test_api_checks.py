@@ -77,6 +77,24 @@ def test_save_requires_an_openamct_model_and_existing_folder(tmp_path):
     assert not os.path.exists(tmp_path / "missing")
 
 
+def test_quant_and_compressed_save_check_axes_and_folder_before_writing(tmp_path):
+    rec = str(tmp_path / "rec.txt")
+    model = amct.create_compressed_retrain_model(Net001(), X, QUANT_CFG, rec)
+    model.eval()
+    model(X)  # clips initialised: only the bad argument can stop the save
+    saves = {
+        "save_compressed_retrain_model": lambda path, **kw: amct.save_compressed_retrain_model(model, rec, path, X, **kw),
+        "save_quant_retrain_model": lambda path, **kw: amct.save_quant_retrain_model(QUANT_CFG, model, rec, path, X, **kw),
+    }
+    for name, save in saves.items():
+        with pytest.raises(ValueError, match="dynamic_axes"):
+            save(str(tmp_path / "m"), dynamic_axes={"input": "0"})
+        with pytest.raises(ValueError, match="folder .* does not exist"):
+            save(str(tmp_path / "missing" / "m"))
+        assert not os.path.exists(tmp_path / "missing"), name
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".onnx")], name  # nothing half written
+
+
 def test_restore_checkpoint_errors(tmp_path):
     rec = str(tmp_path / "rec.txt")
     model = amct.create_compressed_retrain_model(Net001(), X, QUANT_CFG, rec)
