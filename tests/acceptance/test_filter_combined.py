@@ -188,3 +188,29 @@ def test_unhandled_group_is_logged_not_fatal(tmp_path, caplog):
     assert channels(model, "q_proj") == 32 and channels(model, "fc1") == 32  # MLP hidden 64 -> 32
     assert "not pruned" in caplog.text and "q_proj" in caplog.text
     assert model(x).shape == x.shape
+
+
+def test_restore_replays_the_record_and_never_scores(tmp_path, monkeypatch):
+    # Output equality cannot tell replay from re-scoring (the checkpoint overwrites every weight),
+    # so scoring is made to fail during restore, and restore runs on a model with other weights.
+    path = os.path.join(COMPAT, "configs", "configuration__net_001_prune_complete.cfg")
+    x = torch.randn(4, 2, 28, 28)
+    rec, ck = str(tmp_path / "rec.txt"), str(tmp_path / "ck.pth")
+    torch.manual_seed(0)
+    model = amct.create_compressed_retrain_model(MODELS["Net001"](), x[:1], path, rec)
+    model.eval()
+    with torch.no_grad():
+        y = model(x)
+    torch.save({"state_dict": model.state_dict()}, ck)
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("restore re-scored channels instead of replaying the record")
+
+    monkeypatch.setattr("openamct.prune.filter.score_and_select", no_scoring)
+    torch.manual_seed(123)  # different original weights would score differently
+    restored = amct.restore_compressed_retrain_model(MODELS["Net001"](), x[:1], path, rec, ck, "state_dict")
+    restored.eval()
+    with torch.no_grad():
+        assert torch.allclose(restored(x), y, atol=1e-5)
+    with pytest.raises(AssertionError, match="re-scored"):  # the patch is live: create does score
+        amct.create_compressed_retrain_model(MODELS["Net001"](), x[:1], path, str(tmp_path / "rec2.txt"))
