@@ -92,8 +92,20 @@ def test_data_dependent_control_flow_is_captured_as_run():
 
 def test_capture_failure_names_the_module():
     model = MODELS["Net001"]()
-    with pytest.raises(ValueError, match=r"forward failed in module 'layer1.0' \(Conv2d\)"):
-        capture_graph(model, torch.randn(1, 3, 28, 28))  # wrong channel count
+    with pytest.raises(ValueError, match=r"forward failed in module 'layer1.0' \(Conv2d\): RuntimeError: .*"
+                                         r"to have 2 channels, but got 3"):
+        capture_graph(model, torch.randn(1, 3, 28, 28))  # wrong channel count: the why is torch's own
+
+    class NoTensorOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return {"label": "cat", "score": float(self.conv(x).mean())}
+
+    with pytest.raises(ValueError, match="NoTensorOut: its forward returned no tensor"):
+        capture_graph(NoTensorOut(), torch.randn(1, 3, 8, 8))
 
 
 def test_capture_leaves_model_untouched():
