@@ -10,14 +10,13 @@ With AMCT, only the import line differs (``import amct_pytorch as amct``).
 import argparse
 import os
 
-import numpy as np
-import onnxruntime as ort
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import openamct as amct
-from openamct.demo.data import batches, load_digits
+from openamct.demo import bench
+from openamct.demo.data import load_digits
+from openamct.demo.models import DigitsNet
+from openamct.demo.train import evaluate, train_epochs
 
 # conv2 loses half its output channels (and conv3 the matching inputs); the other conv and
 # Linear layers get 2:4 sparsity. A layer takes either the override or the global pruning.
@@ -30,39 +29,18 @@ override_layer_configs {
 """
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
-        self.conv2 = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
-        self.pool = nn.MaxPool2d(2)
-        self.conv3 = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
-
-    def forward(self, x):
-        return self.head(self.conv3(self.pool(self.conv2(self.conv1(x)))))
-
-
 def train(model, data, epochs, lr=3e-3, first_epoch=0):
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    for epoch in range(first_epoch, first_epoch + epochs):
-        for xb, yb in batches(data.x_train, data.y_train, 32, shuffle=True, seed=epoch):
-            loss = F.cross_entropy(model(xb), yb)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    # Constant lr, epoch e shuffled with seed e: a resumed run sees what an uninterrupted one would.
+    train_epochs(model, data.x_train, data.y_train, epochs, batch_size=32, lr=lr, seed=first_epoch,
+                 scheduler=None, progress=False)
 
 
 def torch_accuracy(model, data):
-    with torch.no_grad():
-        return float((model.eval()(data.x_test).argmax(1) == data.y_test).float().mean())
+    return evaluate(model, data.x_test, data.y_test)
 
 
 def onnx_accuracy(path, data):
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    logits = sess.run(None, {sess.get_inputs()[0].name: data.x_test.numpy()})[0]
-    return float(np.mean(logits.argmax(1) == data.y_test.numpy()))
+    return bench.onnx_accuracy(bench.session(path), data.x_test, data.y_test)
 
 
 def main():
@@ -78,7 +56,7 @@ def main():
 
     torch.manual_seed(0)
     data = load_digits()
-    model = Net()
+    model = DigitsNet()
     train(model, data, args.epochs)
     model.eval()
     x = torch.randn(1, 1, 8, 8)  # only used to capture the graph
