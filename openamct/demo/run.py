@@ -97,7 +97,8 @@ def retrain(model, opt, x, y, start: int, stop: int, total: int, seed: int = SEE
 
     n_batches = -(-len(x) // BATCH)
     model.train()
-    with tqdm(total=stop - start, desc=desc, leave=False) as bar:
+    # disable=None: a bar on a terminal, nothing in a log file or CI (no 400 carriage-return lines)
+    with tqdm(total=stop - start, desc=desc, leave=False, disable=None) as bar:
         for epoch in range(start // n_batches, -(-stop // n_batches)):
             for i, (xb, yb) in enumerate(batches(x, y, BATCH, shuffle=True, seed=seed + epoch)):
                 step = epoch * n_batches + i

@@ -125,7 +125,7 @@ def train_epochs(
     aug_gen = torch.Generator().manual_seed(int(seed) + 1_000_003) if augment else None
     model.train()
     try:
-        with tqdm(total=total_steps, desc=desc, disable=not progress, leave=False) as bar:
+        with tqdm(total=total_steps, desc=desc, disable=None if progress else True, leave=False) as bar:
             for epoch in range(epochs):
                 loss_sum, seen = 0.0, 0
                 for xb, yb in batches(x, y, batch_size, shuffle=True, seed=seed + epoch):

@@ -8,13 +8,11 @@ of cases fit in a few seconds. ``derandomize=True`` makes CI runs reproducible.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import math
 import os
 import random
-import signal
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ from openamct.config.specs import FILTER_TYPES, NM_TYPES, QUANT_TYPES
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from tests.conftest import COMPAT
+from tests.hang import no_hang
 from tests.models import Net001
 
 CONFIGS = sorted(glob.glob(os.path.join(COMPAT, "configs", "*.cfg")))
@@ -44,22 +43,6 @@ FUZZ = settings(derandomize=True, deadline=2000, database=None,
                                        HealthCheck.filter_too_much])
 
 
-class Hang(Exception):
-    """Not a ValueError: a hang must fail the test, never pass as a rejection."""
-
-
-@contextlib.contextmanager
-def no_hang(seconds: float = HANG_S):
-    def fire(signum, frame):
-        raise Hang(f"no result after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")

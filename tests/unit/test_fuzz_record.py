@@ -8,15 +8,12 @@ restore that succeeds must give the checkpointed model's outputs.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import random
-import signal
 
 import pytest
 import torch
-import torch.nn.functional as F
 from google.protobuf import text_format
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
@@ -29,29 +26,13 @@ from openamct.record.io import read_record, record_to_text
 from openamct.record.scale_offset_record_pb2 import AttrType, ScaleOffsetRecord
 from openamct.session import masks_in_record
 from tests.conftest import COMPAT
+from tests.hang import no_hang
+from tests.record_models import EltwiseConv, NetTrainBranch, SingleConv, SplitConcatConv
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
 
 FUZZ = settings(derandomize=True, deadline=2000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-class Hang(Exception):
-    """Not a ValueError: a hang must fail the test, never pass as a rejection."""
-
-
-@contextlib.contextmanager
-def no_hang(seconds: float = 10.0):
-    def fire(signum, frame):
-        raise Hang(f"no result after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _event(what: str) -> None:
@@ -63,54 +44,6 @@ def _event(what: str) -> None:
 
 
 # -- the models the records describe -----------------------------------------------------------
-
-class SingleConv(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64))
-        self.layer2 = nn.Sequential(nn.Conv2d(64, 8, 3))
-
-    def forward(self, x):
-        return self.layer2(F.relu(self.layer1(x)))
-
-
-class EltwiseConv(nn.Module):
-    def __init__(self, channels=160):
-        super().__init__()
-        for i in range(1, 5):
-            setattr(self, f"layer{i}", nn.Sequential(nn.Conv2d(4, channels, 3, padding=1, groups=2),
-                                                     nn.BatchNorm2d(channels)))
-        self.layer5 = nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1, groups=2))
-        self.layer6 = nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1, groups=2))
-
-    def forward(self, x):
-        y = self.layer1(x) + self.layer2(x) + self.layer3(x) + self.layer4(x)
-        return self.layer5(y) + self.layer6(y)
-
-
-class NetTrainBranch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16))
-        self.layer2 = nn.Sequential(nn.Conv2d(3, 4, 3))
-        self.layer3 = nn.Sequential(nn.Conv2d(16, 8, 3))
-
-    def forward(self, x):
-        return self.layer3(F.relu(self.layer1(x)))
-
-
-class SplitConcatConv(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(3, 8, 1))
-        self.layer2_1 = nn.Sequential(nn.Conv2d(4, 160, 3, padding=1, groups=2), nn.BatchNorm2d(160))
-        self.layer2_2 = nn.Sequential(nn.Conv2d(4, 80, 3, padding=1, groups=2), nn.BatchNorm2d(80))
-        self.layer3 = nn.Sequential(nn.Conv2d(240, 8, 3))
-
-    def forward(self, x):
-        a, b = torch.split(self.layer1(x), 4, dim=1)
-        return self.layer3(torch.cat([self.layer2_1(a), self.layer2_2(b)], 1))
-
 
 class SmallNet(nn.Module):
     """Ours: filter pruning on conv1, 2:4 on conv2 and fc, INT8 everywhere."""
