@@ -1,7 +1,7 @@
 """A real pretrained transformer (issue #8): all-MiniLM-L6-v2, 2:4 + INT8 on every encoder Linear,
 brief distillation from the FP32 model, save, and the deploy ONNX in ONNX Runtime.
 
-One module-scoped run (1-2.5 minutes on 2 shared cores) feeds the checks:
+One module-scoped run (about 25 s on 2 cores, with model loading) feeds the checks:
 - the FP32 model reproduces sentence-transformers' cosine 0.7553 on its example pair;
 - graph capture with keyword inputs finds the 36 encoder Linear layers and compresses all of them;
 - distillation (20 steps) raises the held-out cosine to FP32;
