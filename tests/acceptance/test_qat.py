@@ -11,6 +11,7 @@ from tests.acceptance._digits import digits_data, retrain, trained_fp32
 from tests.acceptance.conftest import int8_initializers, ort_run
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
+from tests.training import sgd_steps
 
 QUANT_CFG = ("retrain_data_quant_config { ulq_quantize { } }\n"
              "retrain_weight_quant_config { arq_retrain { } }\n")
@@ -23,13 +24,7 @@ def write(tmp_path, text, name="q.cfg"):
 
 
 def train_steps(model, x, steps=4):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    model.train()
-    for _ in range(steps):
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(model, x, steps, lr=0.01, momentum=0.9)
 
 
 @pytest.mark.parametrize("name,batch", [("ResBlockNet", (16, 3, 16, 16)), ("TinyTransformerBlock", (16, 8, 32))])

@@ -12,6 +12,7 @@ from tests.acceptance.conftest import int8_initializers, ort_run
 from tests.acceptance.onnx_weights import group_nonzeros, layer_weights
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
+from tests.training import sgd_steps
 
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: %d } } }\n"
 INT8 = ("retrain_data_quant_config { ulq_quantize { } }\n"
@@ -39,13 +40,7 @@ def assert_two_four(path, min_layers):
 
 
 def train(model, x, steps=3):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model.train()
-    for _ in range(steps):
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(model, x, steps, lr=0.01)
     model.eval()
     model(x)
 

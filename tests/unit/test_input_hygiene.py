@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 import openamct as amct
+from tests.training import sgd_steps
 
 QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n"
@@ -88,13 +89,7 @@ def restore(api, model, files, pth, input_data=X):
 
 
 def train_steps(model, inputs, steps=3):
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    model.train()
-    for _ in range(steps):
-        out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(**inputs)
-        opt.zero_grad()
-        out.square().mean().backward()
-        opt.step()
+    sgd_steps(model, inputs, steps, lr=0.05)
 
 
 APIS = sorted(CONFIGS)

@@ -11,6 +11,7 @@ from openamct.quant.layer import CompressedLayer
 from openamct.record.io import read_record
 from openamct.session import masks_in_record
 from tests.models import MODELS, example_input
+from tests.training import sgd_steps
 
 
 def cfg(tmp_path, update_freq):
@@ -21,13 +22,7 @@ def cfg(tmp_path, update_freq):
 
 
 def train(model, x, steps=3, lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(model, x, steps, lr=lr)
 
 
 def layers(model):
