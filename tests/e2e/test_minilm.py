@@ -154,3 +154,22 @@ def test_restore_reproduces_trained_model(run):
                                                      str(run["out"] / "student.pth"), "state_dict")
     emb = minilm.embed(restored, run["tok"], run["held"][:32])
     assert torch.allclose(emb, run["emb"][:32], atol=1e-5)
+
+
+def test_example_script_runs(tmp_path):
+    """examples/minilm_distill.py as a user runs it (INT8 config, 2 distillation steps)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "minilm_distill.py"), "--config", "int8",
+                           "--int8-steps", "2", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert abs(metrics["fp32_pair_cosine"] - minilm.PAIR_COSINE) < 0.002
+    assert metrics["int8"]["onnx_deploy"]["mean_cosine"] >= 0.98, metrics["int8"]
+    assert "[>= 0.98] ok" in proc.stdout
+    assert (out / "int8_deploy_model.onnx").is_file() and (out / "int8.record").is_file()
