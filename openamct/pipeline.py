@@ -108,7 +108,7 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     work, _ = _build(model, input_data, config, record_file, api, True, config_arg)
-    recorded = work._openamct.recorded_masks()
+    recorded = work._openamct.ready_masks()  # installed from the record
     load_into(work, pth_file, state_dict_name)
     _compare_masks(work, recorded)
     return work
@@ -122,8 +122,7 @@ def _compare_masks(work: nn.Module, recorded: dict[str, torch.Tensor]) -> None:
     record is not rewritten here: an evaluation script must not touch a live job's record; the
     resumed job rewrites it at its next mask change or eval forward after training."""
     keeper = work._openamct
-    differ = [name for name, mask in recorded.items()
-              if not torch.equal(keeper.layers[name].sparsity.mask.bool(), mask)]
+    differ = keeper.masks_differing_from(recorded)
     if differ:
         logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's (the record was "
                        "rewritten after this checkpoint, update_freq > 0); using the checkpoint's, which belong to "

@@ -51,9 +51,10 @@ def masks_in_record(record: ScaleOffsetRecord) -> dict[str, torch.Tensor]:
 class RecordKeeper:
     def __init__(self, path: str, record: ScaleOffsetRecord, layers: dict[str, nn.Module]) -> None:
         self.path = path
-        self.filter_records = [pr for pr in record.prune_record if not pr.HasField("selective_prune")]
+        self.filter_records = filter_records_only(record)
         self.stored_quant = {e.key: e.value for e in record.record}
         self.layers = layers  # name -> CompressedLayer
+        self._sparsity = {n: m.sparsity for n, m in layers.items() if getattr(m, "sparsity", None) is not None}
         # Masks installed from a record are already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self._trained = False
@@ -76,22 +77,19 @@ class RecordKeeper:
         if eval_after_training or self._masks_changed():
             self.flush()
 
-    def recorded_masks(self) -> dict[str, torch.Tensor]:
-        """Copies of the masks installed from the record (ready sparsifiers), as bool tensors."""
-        return {n: m.sparsity.mask.detach().bool().clone() for n, m in self.layers.items()
-                if getattr(m, "sparsity", None) is not None and m.sparsity._ready}
+    def ready_masks(self) -> dict[str, torch.Tensor]:
+        """Copies (bool) of the 2:4 masks the model holds now, for the layers that have one."""
+        return {n: sp.mask.detach().bool().clone() for n, sp in self._sparsity.items() if bool(sp.mask_ready)}
+
+    def masks_differing_from(self, masks: dict[str, torch.Tensor]) -> list[str]:
+        return [n for n, mask in masks.items() if not torch.equal(self._sparsity[n].mask.bool(), mask)]
 
     def mark_masks_recorded(self) -> None:
         """The masks in the model now are the record's: no rewrite is due for them."""
-        self._mask_versions = {n: m.sparsity.version for n, m in self.layers.items()
-                               if getattr(m, "sparsity", None) is not None}
+        self._mask_versions = {n: sp.version for n, sp in self._sparsity.items()}
 
     def _masks_changed(self) -> bool:
-        for name, layer in self.layers.items():
-            sp = getattr(layer, "sparsity", None)
-            if sp is not None and self._mask_versions.get(name) != sp.version:
-                return True
-        return False
+        return any(self._mask_versions.get(n) != sp.version for n, sp in self._sparsity.items())
 
     # -- content ---------------------------------------------------------------------------
     def build(self) -> ScaleOffsetRecord:
@@ -104,9 +102,8 @@ class RecordKeeper:
                 record.record.add(key=name).value.CopyFrom(entry)
         for pr in self.filter_records:
             record.prune_record.add().CopyFrom(pr)
-        for name, layer in self.layers.items():
-            sp = getattr(layer, "sparsity", None)
-            if sp is None or not bool(sp.mask_ready):
+        for name, sp in self._sparsity.items():
+            if not bool(sp.mask_ready):
                 continue
             shape, words = pack_mask(sp.mask)
             node = record.prune_record.add().selective_prune
@@ -131,10 +128,7 @@ class RecordKeeper:
     def flush(self, path: str | None = None) -> None:
         """Write the record now (atomically; rank 0 only)."""
         target = path or self.path
-        for name, layer in self.layers.items():
-            sp = getattr(layer, "sparsity", None)
-            if sp is not None:
-                self._mask_versions[name] = sp.version
+        self.mark_masks_recorded()
         if not is_writer_rank():
             return
         write_record(target, self.build())
