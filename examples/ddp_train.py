@@ -24,32 +24,18 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import openamct as amct
 from openamct.demo.data import load_digits
+from openamct.demo.models import DigitsConvMLP
 
 CONFIG = """# INT8 activations (learned clips) and weights, 2:4 sparsity re-decided every 2 steps
 retrain_data_quant_config { ulq_quantize { } }
 retrain_weight_quant_config { arq_retrain { } }
 prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 2 } } }
 """
-
-
-class DigitsNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
-        self.conv2 = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
-        self.pool = nn.AdaptiveAvgPool2d(2)
-        self.fc1 = nn.Linear(128, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = self.pool(self.conv2(self.conv1(x))).flatten(1)
-        return self.fc2(F.relu(self.fc1(x)))
 
 
 def save_atomically(obj: dict, path: str) -> None:
@@ -80,10 +66,10 @@ def main() -> None:
     x_tr, y_tr, x_te, y_te = load_digits()
     torch.manual_seed(0)  # the same FP32 init on every rank (DDP would broadcast rank 0's anyway)
     if os.path.exists(ckpt):
-        model = amct.restore_compressed_retrain_model(DigitsNet(), x_te[:2], cfg, rec, ckpt, "state_dict")
+        model = amct.restore_compressed_retrain_model(DigitsConvMLP(), x_te[:2], cfg, rec, ckpt, "state_dict")
         start = int(torch.load(ckpt, weights_only=True)["epoch"])
     else:
-        model = amct.create_compressed_retrain_model(DigitsNet(), x_te[:2], cfg, rec)
+        model = amct.create_compressed_retrain_model(DigitsConvMLP(), x_te[:2], cfg, rec)
         start = 0
     ddp = DDP(model)  # wrap the model create_*/restore_* returned, never the other way round
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BasicBlock",
+    "DigitsConvMLP",
     "DigitsNet",
     "MLPBlock",
     "MLPStack",
@@ -91,6 +92,23 @@ class DigitsNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.conv3(self.pool(self.conv2(self.conv1(x)))))
+
+
+class DigitsConvMLP(nn.Module):
+    """The DDP example's and test's net for 1 x 8 x 8 digits: two conv-BN-ReLU (``conv1.0``,
+    ``conv2.0``), 2 x 2 average pooling, then two Linear (``fc1``, ``fc2``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.conv2 = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc1 = nn.Linear(128, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.conv2(self.conv1(x))).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
 
 
 class BasicBlock(nn.Module):

@@ -3,6 +3,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+# INT8 activations and weights with every default: the quantization half of the acceptance configs.
+INT8_CFG = ("retrain_data_quant_config { ulq_quantize { } }\n"
+            "retrain_weight_quant_config { arq_retrain { } }\n")
+
+
+def write_cfg(tmp_path, text, name="c.cfg"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
 
 def ort_run(path, x):
     opts = ort.SessionOptions()

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import openamct as amct
 from openamct.record.io import read_record
 from tests.acceptance._digits import digits_data, retrain, trained_fp32
+from tests.acceptance.conftest import INT8_CFG as INT8
 from tests.acceptance.conftest import int8_initializers, ort_run
+from tests.acceptance.conftest import write_cfg as write
 from tests.acceptance.onnx_weights import group_nonzeros, layer_weights
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
@@ -22,14 +24,6 @@ NM_OVERRIDE = ('override_layer_configs { layer_name: "%s" prune_config { n_out_o
 # One prune technique per layer (prune_config is a oneof): channels are removed from the rest,
 # and the 2:4 layer is sparsified on what remains of its input channels.
 NM_LAYER = {"MobileNetV2Tiny": "features.4.0", "UNetTiny": "dec.0", "ResBlockNet": "head", "DigitsNet": "conv3"}
-INT8 = ("retrain_data_quant_config { ulq_quantize { } }\n"
-        "retrain_weight_quant_config { arq_retrain { } }\n")
-
-
-def write(tmp_path, text, name="c.cfg"):
-    p = tmp_path / name
-    p.write_text(text)
-    return str(p)
 
 
 def digits_images(shape, n=64, offset=0):

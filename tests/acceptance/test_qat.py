@@ -8,19 +8,12 @@ import torch
 
 import openamct as amct
 from tests.acceptance._digits import digits_data, retrain, trained_fp32
+from tests.acceptance.conftest import INT8_CFG as QUANT_CFG
 from tests.acceptance.conftest import int8_initializers, ort_run
+from tests.acceptance.conftest import write_cfg as write
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
 from tests.training import sgd_steps
-
-QUANT_CFG = ("retrain_data_quant_config { ulq_quantize { } }\n"
-             "retrain_weight_quant_config { arq_retrain { } }\n")
-
-
-def write(tmp_path, text, name="q.cfg"):
-    p = tmp_path / name
-    p.write_text(text)
-    return str(p)
 
 
 def train_steps(model, x, steps=4):

@@ -8,21 +8,15 @@ import torch
 
 import openamct as amct
 from tests.acceptance._digits import digits_data, retrain, trained_fp32
+from tests.acceptance.conftest import INT8_CFG as INT8
 from tests.acceptance.conftest import int8_initializers, ort_run
+from tests.acceptance.conftest import write_cfg as write
 from tests.acceptance.onnx_weights import group_nonzeros, layer_weights
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
 from tests.training import sgd_steps
 
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: %d } } }\n"
-INT8 = ("retrain_data_quant_config { ulq_quantize { } }\n"
-        "retrain_weight_quant_config { arq_retrain { } }\n")
-
-
-def write(tmp_path, text):
-    p = tmp_path / "c.cfg"
-    p.write_text(text)
-    return str(p)
 
 
 def assert_two_four(path, min_layers):

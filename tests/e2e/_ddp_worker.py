@@ -36,26 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from openamct.demo.models import DigitsConvMLP
+
 QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 2 } } }\n"
 CONFIGS = {"qat": QUANT, "nm": NM, "combined": QUANT + NM}
 GLOBAL_BATCH, EPOCHS, LR = 64, 15, 0.05
-
-
-class DigitsNet(nn.Module):
-    """8x8 digits: conv-BN-ReLU x2, global pool, two Linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
-        self.conv2 = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
-        self.pool = nn.AdaptiveAvgPool2d(2)
-        self.fc1 = nn.Linear(128, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = self.pool(self.conv2(self.conv1(x))).flatten(1)
-        return self.fc2(F.relu(self.fc1(x)))
 
 
 def create(api: str, model: nn.Module, x: torch.Tensor, cfg: str, rec: str) -> nn.Module:
@@ -129,7 +115,7 @@ def scenario(api: str, outdir: str, rank: int, world: int) -> None:
     ys = [torch.randint(0, 10, (16,), generator=g) for _ in range(6)]
     x_eval = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(7))
 
-    model = create(api, DigitsNet(), x_eval[:2], cfg, rec)  # create first, then wrap
+    model = create(api, DigitsConvMLP(), x_eval[:2], cfg, rec)  # create first, then wrap
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     ddp.train()
@@ -150,7 +136,7 @@ def scenario(api: str, outdir: str, rank: int, world: int) -> None:
     if rank == 0:
         save_atomically({"state_dict": model.state_dict()}, ckpt)
     dist.barrier()
-    restored = restore(api, DigitsNet(), x_eval[:2], cfg, rec, ckpt)
+    restored = restore(api, DigitsConvMLP(), x_eval[:2], cfg, rec, ckpt)
     restored.eval()
     with torch.no_grad():
         same = bool(torch.equal(restored(x_eval), out))
@@ -193,7 +179,7 @@ def train_digits(rank: int = 0, world: int = 1, wrap: bool = False, epochs: int 
     if wrap:
         dist.barrier()
     torch.manual_seed(0)
-    model = amct.create_quant_retrain_model(cfg, DigitsNet(), os.path.join(workdir, "digits_record.txt"), x_te[:2])
+    model = amct.create_quant_retrain_model(cfg, DigitsConvMLP(), os.path.join(workdir, "digits_record.txt"), x_te[:2])
     net = DDP(model) if wrap else model
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     per_rank = GLOBAL_BATCH // world

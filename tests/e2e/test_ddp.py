@@ -110,12 +110,13 @@ def test_writing_the_record_does_not_step_the_2_4_schedule(tmp_path):
     """Single-process root cause of the DDP divergence above: 6 training forwards must leave
     the sparsifier's step counter at 6 however often the record is rewritten in between."""
     import openamct as amct
-    from tests.e2e._ddp_worker import NM, QUANT, DigitsNet
+    from openamct.demo.models import DigitsConvMLP
+    from tests.e2e._ddp_worker import NM, QUANT
 
     cfg = tmp_path / "c.cfg"
     cfg.write_text(QUANT + NM)
     x = torch.randn(16, 1, 8, 8)
-    model = amct.create_compressed_retrain_model(DigitsNet(), x[:2], str(cfg), str(tmp_path / "rec.txt"))
+    model = amct.create_compressed_retrain_model(DigitsConvMLP(), x[:2], str(cfg), str(tmp_path / "rec.txt"))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model.train()
     for _ in range(6):
