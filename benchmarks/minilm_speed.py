@@ -72,11 +72,9 @@ def session(path: str, threads: int, optimized: str | None = None) -> ort.Infere
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def build_models(folder: str, which: list[str], deploy: str | None) -> dict[str, str]:
+def build_models(folder: str, which: list[str], deploy: str | None, model, tok, train: list[str]) -> dict[str, str]:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    model, tok = minilm.load_minilm()
-    train, _ = minilm.split_held_out(minilm.stdlib_sentences())
     sample = minilm.tokenize(tok, train[:32])
     paths = {"fp32": os.path.join(folder, "fp32.onnx")}
     write_onnx(export_onnx(model, sample, NAMES, ["embedding"], AXES), paths["fp32"])
@@ -146,10 +144,12 @@ def main() -> None:
             os.makedirs(args.work_dir, exist_ok=True)
             tmp = args.work_dir
         t0 = time.perf_counter()
-        paths = build_models(tmp, [c for c in args.configs.split(",") if c], args.deploy)
+        model, tok = minilm.load_minilm()
+        sentences = minilm.stdlib_sentences()
+        train, held = minilm.split_held_out(sentences)
+        paths = build_models(tmp, [c for c in args.configs.split(",") if c], args.deploy, model, tok, train)
         print(f"models built in {time.perf_counter() - t0:.0f} s")
-        _, tok = minilm.load_minilm()
-        feed = {k: v.numpy() for k, v in long_texts(tok, minilm.stdlib_sentences(), args.batch,
+        feed = {k: v.numpy() for k, v in long_texts(tok, sentences, args.batch,
                                                       args.tokens).items()}
         sessions = {}
         for name, path in paths.items():
@@ -162,7 +162,6 @@ def main() -> None:
         outs = {n: s.run(None, feed)[0] for n, s in sessions.items()}
         # Accuracy on what the model is for: single held-out sentences (never used to calibrate
         # or train), mean per-sentence cosine to the FP32 ONNX model's embeddings.
-        _, held = minilm.split_held_out(minilm.stdlib_sentences())
         held_emb = {n: minilm.embed_onnx(s, tok, held) for n, s in sessions.items()}
         held_cos = {n: float(torch.nn.functional.cosine_similarity(e, held_emb["fp32"], dim=-1).mean())
                     for n, e in held_emb.items()}

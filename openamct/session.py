@@ -55,9 +55,9 @@ class RecordKeeper:
         self.stored_quant = {e.key: e.value for e in record.record}
         self.layers = layers  # name -> CompressedLayer
         self._sparsity = {n: m.sparsity for n, m in layers.items() if getattr(m, "sparsity", None) is not None}
+        self._trained = False
         # Masks installed from a record are already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
-        self._trained = False
         self.mark_masks_recorded()
 
     # -- hooks -----------------------------------------------------------------------------
