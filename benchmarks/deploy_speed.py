@@ -146,7 +146,7 @@ def qs_with_overrides(c, calib: list[torch.Tensor], folder: str, title: str) -> 
     """The other way to build the deploy model: export openamct's folded float model (fake-quant
     weights, BN folded) and let quantize_static place Q/DQ, with our trained input scales as
     TensorQuantOverrides; it calibrates everything else (MinMax, same batches)."""
-    from openamct.export.fold import ExportLayer, fold_layers, working_copy
+    from openamct.export.export_layer import ExportLayer, fold_layers, working_copy
     from openamct.export.writer import export_onnx
 
     scales = {}

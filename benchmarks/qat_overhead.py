@@ -39,7 +39,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from openamct.quant.layer import CompressedLayer  # noqa: E402
+from openamct.compressed.layer import CompressedLayer  # noqa: E402
 from openamct.quant.quantizers import ActULQ, WeightARQ  # noqa: E402
 
 THREADS, BATCH, RES, CLASSES = 2, 16, 64, 1000

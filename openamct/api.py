@@ -6,6 +6,7 @@ changing the import line (``import openamct as amct``).
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -45,22 +46,32 @@ def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, o
     return model
 
 
+def _create(api: str, model, input_data, config_defination, record_file) -> nn.Module:
+    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
+    check_type("config_defination", config_defination, str)
+    return pipeline.create(model, input_data, config_defination, record_file, api)
+
+
+def _restore(api: str, model, input_data, **paths) -> nn.Module:
+    """``paths`` in the caller's argument order, so the first wrong one is the one named."""
+    model = _check_common(model, input_data, **paths)
+    check_type("config_defination", paths["config_defination"], str)
+    return pipeline.restore(model, input_data, paths["config_defination"], paths["record_file"],
+                            paths["pth_file"], paths["state_dict_name"], api)
+
+
 # -- 2:4 structured sparsity and channel pruning ("prune" family) --------------------------------
 
 def create_prune_retrain_model(model, input_data, config_defination, record_file):
     """Return a copy of ``model`` pruned as ``config_defination`` says (filter pruning and/or 2:4);
     the decisions go to ``record_file``."""
-    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
-    check_type("config_defination", config_defination, str)
-    return pipeline.create(model, input_data, config_defination, record_file, "prune")
+    return _create("prune", model, input_data, config_defination, record_file)
 
 
 def restore_prune_retrain_model(model, input_data, record_file, config_defination, pth_file, state_dict_name=None):
     """Rebuild the pruned model from the original ``model`` and ``record_file``, then load ``pth_file``."""
-    model = _check_common(model, input_data, record_file=record_file, config_defination=config_defination,
-                          pth_file=pth_file, state_dict_name=state_dict_name)
-    check_type("config_defination", config_defination, str)
-    return pipeline.restore(model, input_data, config_defination, record_file, pth_file, state_dict_name, "prune")
+    return _restore("prune", model, input_data, record_file=record_file, config_defination=config_defination,
+                    pth_file=pth_file, state_dict_name=state_dict_name)
 
 
 def save_prune_retrain_model(model, save_path, input_data, input_names=None, output_names=None, dynamic_axes=None):
@@ -73,17 +84,13 @@ def save_prune_retrain_model(model, save_path, input_data, input_names=None, out
 
 def create_compressed_retrain_model(model, input_data, config_defination, record_file):
     """Prune channels, then 2:4, then insert INT8 quantizers, as ``config_defination`` says."""
-    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
-    check_type("config_defination", config_defination, str)
-    return pipeline.create(model, input_data, config_defination, record_file, "compressed")
+    return _create("compressed", model, input_data, config_defination, record_file)
 
 
 def restore_compressed_retrain_model(model, input_data, config_defination, record_file, pth_file, state_dict_name=None):
     """Replay ``record_file`` on the original ``model``, insert the quantizers, load ``pth_file``."""
-    model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file,
-                          pth_file=pth_file, state_dict_name=state_dict_name)
-    check_type("config_defination", config_defination, str)
-    return pipeline.restore(model, input_data, config_defination, record_file, pth_file, state_dict_name, "compressed")
+    return _restore("compressed", model, input_data, config_defination=config_defination, record_file=record_file,
+                    pth_file=pth_file, state_dict_name=state_dict_name)
 
 
 def save_compressed_retrain_model(model, record_file, save_path, input_data, input_names=None, output_names=None,
@@ -102,8 +109,6 @@ def create_quant_retrain_config(config_file, model, input_data, config_definatio
 
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, config_defination=config_defination)
-    import copy
-
     analysis = pipeline.analyse(copy.deepcopy(model), input_data, config_defination, "quant")
     write_quant_json(config_file, analysis.plan)
 

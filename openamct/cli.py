@@ -34,7 +34,7 @@ def _load_factory(spec: str):
 def cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
-    from openamct.inspect import format_inspection, inspect_model
+    from openamct.inspection import format_inspection, inspect_model
 
     model = _load_factory(args.model)()
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from openamct.report import format_report, report_record
+    from openamct.record_summary import format_report, report_record
 
     try:
         report = report_record(args.record)

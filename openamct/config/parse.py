@@ -27,22 +27,30 @@ def locate(text: str, field: str, value: str | None = None) -> str:
     return f"line {line}:{col}: "
 
 
-def load_config(path: str, arg: str = "config_defination") -> tuple[AMCTRetrainConfig, str]:
-    """Parse ``path``; returns (message, text). Errors are ConfigError (a ValueError)."""
+def read_config_file(path: str, arg: str) -> bytes:
+    """The bytes of a config file; the one place a config path is checked."""
     if not isinstance(path, str):
         raise TypeError(f"{arg} must be a str path, got {type(path).__name__}")
     if not os.path.isfile(path):
         raise ConfigError(f"{arg} {path!r} does not exist or is not a file")
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as exc:
         raise ConfigError(f"{arg} {path!r} cannot be read: {exc}") from None
+
+
+def parse_config_bytes(raw: bytes, where: str) -> tuple[AMCTRetrainConfig, str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{arg} {path!r} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
-    return parse_config_text(text, f"{arg} {path!r}"), text
+        raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    return parse_config_text(text, where), text
+
+
+def load_config(path: str, arg: str = "config_defination") -> tuple[AMCTRetrainConfig, str]:
+    """Parse ``path``; returns (message, text). Errors are ConfigError (a ValueError)."""
+    return parse_config_bytes(read_config_file(path, arg), f"{arg} {path!r}")
 
 
 def parse_config_text(text: str, where: str = "config") -> AMCTRetrainConfig:

@@ -16,10 +16,6 @@ from collections.abc import Mapping
 from openamct.config.parse import ConfigError, locate
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
 from openamct.config.specs import (
-    ALL_TYPES,
-    FILTER_TYPES,
-    NM_TYPES,
-    QUANT_TYPES,
     ActSpec,
     FilterSpec,
     LayerPlan,
@@ -30,6 +26,8 @@ from openamct.config.specs import (
 )
 from openamct.config.validate import has_prune, has_quant, validate_fields
 from openamct.graph.layers import LayerInfo
+from openamct.layer_types import ALL_TYPES, FILTER_TYPES, NM_TYPES, QUANT_TYPES
+from openamct.prune.nm import nm_eligible
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +164,11 @@ def _resolve(info: LayerInfo, cfg: AMCTRetrainConfig, api: str) -> LayerPlan:
             else:
                 lp.prune = spec
         else:
-            if info.type not in NM_TYPES:
-                lp.notes.append(f"2:4: {info.type} is not supported")
-            elif info.cin_per_group <= 2:
-                lp.notes.append(f"2:4: left dense (input channels per group = {info.cin_per_group} <= 2)")
-            else:
+            eligible, why_not = nm_eligible(info.module)
+            if eligible:
                 lp.prune = spec
+            else:
+                lp.notes.append(f"2:4: {why_not}")
     return lp
 
 
@@ -190,7 +187,7 @@ def build_plan(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], api: str
     _check_api(cfg, api, text, src)
     if cfg.HasField("fakequant_precision_mode"):
         logger.info("%s: fakequant_precision_mode has no effect: openamct's fake-quant runs in float32", src)
-    plan = Plan({name: _resolve(info, cfg, api) for name, info in layers.items()}, cfg.batch_num, api)
+    plan = Plan({name: _resolve(info, cfg, api) for name, info in layers.items()}, cfg.batch_num)
     if plan.is_empty():
         raise ConfigError(f"{src}: nothing to do: the config selects no layer of this model "
                           f"(supported layers: {', '.join(list(layers)[:8]) or 'none'})")

@@ -1,5 +1,4 @@
-"""The QAT family's JSON config (what create_quant_retrain_config writes), and the choice
-between it and a .cfg text file wherever a config path is accepted.
+"""The QAT family's JSON config (what create_quant_retrain_config writes).
 
 Layout (upstream-like, flat): {"version": 1, "batch_num": N, "<layer>": {"retrain_enable": bool,
 "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8", ["clip_max", "clip_min"],
@@ -11,23 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 
 from openamct._atomic import atomic_write_bytes
-from openamct.config.parse import ConfigError, load_config
-from openamct.config.plan import build_plan
-from openamct.config.specs import QUANT_TYPES, ActSpec, LayerPlan, Plan, QuantSpec, WtsSpec
+from openamct.config.parse import ConfigError
+from openamct.config.specs import ActSpec, LayerPlan, Plan, QuantSpec, WtsSpec
 from openamct.graph.layers import LayerInfo
+from openamct.layer_types import QUANT_TYPES
 
 
-def _is_json(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(256).lstrip()
-    except OSError:
-        return False
-    return head.startswith(b"{")
+def is_json(raw: bytes) -> bool:
+    return raw.lstrip().startswith(b"{")
 
 
 def plan_to_json(plan: Plan) -> dict:
@@ -65,12 +58,10 @@ def _field(obj: Mapping, key: str, types, where: str, default=None, required=Fal
     return value
 
 
-def plan_from_json(path: str, layers: Mapping[str, LayerInfo], arg: str) -> Plan:
-    src = f"{arg} {path!r}"
+def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str) -> Plan:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (ValueError, RecursionError) as exc:  # also too deep nesting, too many digits
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # also too deep nesting, too many digits, bad UTF-8
         raise ConfigError(f"{src}: not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{src}: the top level must be a JSON object")
@@ -108,19 +99,7 @@ def plan_from_json(path: str, layers: Mapping[str, LayerInfo], arg: str) -> Plan
         wts = WtsSpec(algo="ulq" if w.get("algo") == "ulq_retrain" else "arq",
                       channel_wise=_field(w, "channel_wise", bool, where, default=layers[name].type != "Linear"))
         plan_layers[name].quant = QuantSpec(act, wts)
-    plan = Plan(plan_layers, batch_num, "quant")
+    plan = Plan(plan_layers, batch_num)
     if plan.is_empty():
         raise ConfigError(f"{src}: nothing to do: no layer has retrain_enable true")
     return plan
-
-
-def load_plan_source(path: str, layers: Mapping[str, LayerInfo], api: str, modules: Mapping[str, str],
-                     arg: str) -> Plan:
-    if not isinstance(path, str):
-        raise TypeError(f"{arg} must be a str path, got {type(path).__name__}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{arg} {path!r} does not exist or is not a file")
-    if api == "quant" and _is_json(path):
-        return plan_from_json(path, layers, arg)
-    cfg, text = load_config(path, arg)
-    return build_plan(cfg, layers, api, modules=modules, text=text, src=f"{arg} {path!r}")

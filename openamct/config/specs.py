@@ -4,11 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-QUANT_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "Linear")
-FILTER_TYPES = ("Conv2d", "Linear")  # active producers; depthwise Conv2d excluded per layer
-NM_TYPES = ("Conv2d", "ConvTranspose2d", "Linear")
-ALL_TYPES = tuple(dict.fromkeys(QUANT_TYPES + FILTER_TYPES + NM_TYPES))
-
 
 @dataclass(frozen=True)
 class ActSpec:
@@ -68,7 +63,6 @@ class LayerPlan:
 class Plan:
     layers: dict[str, LayerPlan]
     batch_num: int = 1
-    api: str = "compressed"
 
     def quantized(self) -> list[LayerPlan]:
         return [lp for lp in self.layers.values() if lp.quant is not None]

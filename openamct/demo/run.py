@@ -74,7 +74,7 @@ def require_extras() -> None:
 def check_config(path: str, x: torch.Tensor):
     """Validate ``path`` against MnistNet before anything is trained; returns the inspection."""
     from openamct.demo.models import MnistNet
-    from openamct.inspect import inspect_model
+    from openamct.inspection import inspect_model
 
     if not os.path.isfile(path):
         raise DemoError(f"--config {path!r}: no such file")
@@ -151,8 +151,8 @@ def _display(path: str) -> str:
 
 
 def _layers(fp32, model, record: str) -> list[dict]:
-    from openamct.quant.layer import CompressedLayer
-    from openamct.report import report_record
+    from openamct.compressed.layer import CompressedLayer
+    from openamct.record_summary import report_record
 
     info = {ly["layer"]: ly for ly in report_record(record)["layers"]}
     rows = []
@@ -201,7 +201,7 @@ def run(out: str, config: str | None = None, epochs: int | None = None, seed: in
     from openamct.demo.report import format_table, markdown_report, render_chart
     from openamct.demo.train import evaluate, train_mnist
     from openamct.export.writer import export_onnx, write_onnx
-    from openamct.inspect import format_inspection
+    from openamct.inspection import format_inspection
     from openamct.stats import count_macs
 
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):

@@ -30,14 +30,22 @@ tensor we have no trained scale for on ``input_data`` and re-derives weights and
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
 from torch import Tensor, nn
 
-from openamct.export.fold import ExportLayer, QDQAct, WeightQDQ, fold_layers, per_channel_view
+from openamct.compressed.layer import CompressedLayer
+from openamct.export.export_layer import (
+    ExportLayer,
+    QDQAct,
+    WeightQDQ,
+    fold_layers,
+    per_channel_view,
+)
 from openamct.export.onnx_graph import OnnxGraph
-from openamct.quant.layer import CompressedLayer
+from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +55,11 @@ INT_ANCHORS = {"Conv", "Gemm"}  # ORT CPU has integer kernels for these (Linear 
 PASS_OPS = {"Relu", "Clip", "MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
 
 
-def _weight_qdq(layer: CompressedLayer, w: Tensor) -> WeightQDQ | None:
-    if layer.wts_quant is None:
+def _weight_qdq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightQDQ | None:
+    scales = parts.weight_scales
+    if scales is None:
         return None
-    scales = layer.weight_scales()
-    if not layer.wts_quant.channel_wise:
+    if not parts.weight_per_channel:
         return WeightQDQ(scales, None)
     w2, axis = per_channel_view(w, layer)
     if w2.shape != w.shape:
@@ -62,15 +70,16 @@ def _weight_qdq(layer: CompressedLayer, w: Tensor) -> WeightQDQ | None:
     return WeightQDQ(scales, axis)
 
 
-def fold_deploy(model: nn.Module) -> dict[str, tuple[float, float]]:
-    """Fold a working copy in place; return the output-observer range (min, max) of each
-    quantized layer keyed by its weight initializer name ``<layer>.weight``."""
-    def build(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None) -> nn.Module:
-        pre = QDQAct(*layer.act_quant.scale_offset()) if layer.act_quant is not None else None
-        return ExportLayer(layer, w, b, pre=pre, weight_fn=_weight_qdq(layer, w), gemm_2d=True)
+def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, tuple[float, float]]:
+    """Fold a working copy in place; return the output range (min, max) of each layer with
+    an input quantizer, keyed by its weight initializer name ``<layer>.weight``."""
+    def build(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None, parts: ExportParts) -> nn.Module:
+        pre = None if parts.input_quant is None else QDQAct(*parts.input_quant)
+        return ExportLayer(layer, w, b, pre=pre, weight_fn=_weight_qdq(layer, w, parts), gemm_2d=True)
 
-    quants = fold_layers(model, build)
-    return {f"{n}.weight": q.out for n, q in quants.items() if q.out is not None and q.act is not None}
+    found = fold_layers(model, build, techniques)
+    return {f"{n}.weight": p.output_range for n, p in found.items()
+            if p.output_range is not None and p.input_quant is not None}
 
 
 # -- post-pass ------------------------------------------------------------------------------------

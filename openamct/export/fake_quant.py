@@ -20,13 +20,15 @@ float arithmetic, not the export; the quantizer itself is bit-exact (tests check
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 from torch import Tensor, nn
 
-from openamct.export.fold import ExportLayer, fold_layers
+from openamct.compressed.layer import CompressedLayer
+from openamct.export.export_layer import ExportLayer, fold_layers
 from openamct.quant.functions import QMAX, QMIN
-from openamct.quant.layer import CompressedLayer
+from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +53,22 @@ class FakeQuantAct(nn.Module):
         return f"scale={self.scale:.8g}, offset={int(self.offset)}"
 
 
-def _fake_layer(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None) -> nn.Module:
-    pre = None
-    if layer.act_quant is not None:
-        pre = FakeQuantAct(*layer.act_quant.scale_offset())
+def _fake_layer(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None, parts: ExportParts) -> nn.Module:
+    pre = None if parts.input_quant is None else FakeQuantAct(*parts.input_quant)
     return ExportLayer(layer, w, b, pre=pre)
 
 
-def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None) -> nn.Module:
+def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None, parts: ExportParts) -> nn.Module:
     return ExportLayer(layer, w, b)
 
 
-def fold_fake_quant(model: nn.Module) -> nn.Module:
+def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique]) -> nn.Module:
     """Turn a working copy of a compressed model into its fake-quant export model (in place)."""
-    fold_layers(model, _fake_layer)
+    fold_layers(model, _fake_layer, techniques)
     return model
 
 
-def fold_plain(model: nn.Module) -> nn.Module:
+def fold_plain(model: nn.Module, techniques: Sequence[Technique]) -> nn.Module:
     """Prune-only models: plain float layers with masks/pruning folded into the weights."""
-    fold_layers(model, _plain_layer)
+    fold_layers(model, _plain_layer, techniques)
     return model

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import onnx
@@ -29,9 +30,10 @@ from torch import nn
 
 from openamct._atomic import atomic_path, atomic_write_bytes
 from openamct.export.deploy import finish_deploy, fold_deploy
+from openamct.export.export_layer import compressed_layers, export_parts, working_copy
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
-from openamct.export.fold import compressed_layers, is_quantized, working_copy
 from openamct.graph.capture import split_input_data
+from openamct.techniques import TECHNIQUES, Technique
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ def write_onnx(model: onnx.ModelProto, path: str, external_threshold: int = EXTE
 
 def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: Any,
                 input_names=None, output_names=None, dynamic_axes=None, *,
+                techniques: Sequence[Technique] = TECHNIQUES,
                 external_threshold: int = EXTERNAL_DATA_BYTES) -> None:
     """Write ``fake_path`` (float fake-quant model) and ``deploy_path`` (INT8 QDQ model).
 
@@ -119,9 +122,9 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     names = {"input_names": input_names, "output_names": output_names, "dynamic_axes": dynamic_axes,
              "work_dir": folder}
     probe = working_copy(model)
-    quantized = any(is_quantized(layer) for layer in compressed_layers(probe).values())
+    quantized = any(export_parts(layer, techniques).quantized for layer in compressed_layers(probe).values())
     if not quantized:
-        proto = export_onnx(fold_plain(probe), input_data, **names)
+        proto = export_onnx(fold_plain(probe, techniques), input_data, **names)
         del probe
         if _tensor_bytes(proto) <= external_threshold:
             data = proto.SerializeToString()
@@ -133,10 +136,10 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         logger.info("no quantized layer: wrote the same float model to %s and %s", fake_path, deploy_path)
         return
     # Both models are built before either file is written: a failure leaves the old pair.
-    fake = export_onnx(fold_fake_quant(probe), input_data, **names)
+    fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
     del probe
     work = working_copy(model)
-    observers = fold_deploy(work)
+    observers = fold_deploy(work, techniques)
     deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
     del work
     write_onnx(fake, fake_path, external_threshold)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -83,9 +83,6 @@ class Graph:
     def input_tensor(self, module_name: str) -> TensorInfo | None:
         node = self.call_of(module_name)
         return node.inputs[0] if node is not None and node.inputs else None
-
-    def module_nodes(self) -> Iterable[Node]:
-        return (n for n in self.nodes if n.kind == "module")
 
     def describe(self) -> str:
         lines = []

@@ -7,26 +7,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from openamct.config.specs import ALL_TYPES
 from openamct.graph.graph import Graph
+from openamct.layer_types import is_depthwise, layer_type_of
 
 logger = logging.getLogger(__name__)
-
-_TORCH_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
-                                             nn.ConvTranspose2d, nn.Linear)
-
-
-def layer_type(module: nn.Module) -> str | None:
-    """The torch base type name configs use ("Conv2d", "Linear"), or None if unsupported.
-    Subclasses count as their base (MultiheadAttention's out_proj is a Linear)."""
-    for t in _TORCH_TYPES:
-        if type(module) is t:
-            return t.__name__
-    for t in _TORCH_TYPES:
-        if isinstance(module, t):
-            return t.__name__
-    return None
-
 
 @dataclass
 class LayerInfo:
@@ -41,8 +25,7 @@ class LayerInfo:
 
     @property
     def depthwise(self) -> bool:
-        m = self.module
-        return self.type.startswith("Conv") and m.groups > 1 and m.groups == m.in_channels
+        return is_depthwise(self.module)
 
     @property
     def cin_per_group(self) -> int:
@@ -64,9 +47,10 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
 
     layers: dict[str, LayerInfo] = {}
     for name, module in model.named_modules():
-        kind = layer_type(module)
-        if kind is None or kind not in ALL_TYPES:
+        row = layer_type_of(module)
+        if row is None:
             continue
+        kind = row.name
         info = LayerInfo(name, kind, module)
         calls = len(graph.module_calls.get(name, []))
         shared = [o for p in module.parameters(recurse=False) for o in owners.get(id(p), [])

@@ -13,13 +13,11 @@ import math
 import torch
 from torch import nn
 
-from openamct.graph.group import PruneGroup
+from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS
+from openamct.prune.group import PruneGroup
 
 logger = logging.getLogger(__name__)
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_DECONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def channel_scores(weight: torch.Tensor) -> torch.Tensor:
@@ -118,7 +116,7 @@ def _with_bias(m: nn.Module, weight: torch.Tensor, rows: list[int]) -> dict[str,
 
 def _cut_conv(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
     w, g = m.weight.data, m.groups
-    if g > 1 and g == m.in_channels and not isinstance(m, _DECONVS):  # depthwise: follows its input
+    if g > 1 and g == m.in_channels and not isinstance(m, TRANSPOSED_CONVS):  # depthwise: follows its input
         if in_cut:
             raise ValueError(f"filter prune: depthwise conv {name!r} only loses whole channels")
         mult = m.out_channels // m.in_channels
@@ -127,7 +125,7 @@ def _cut_conv(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> E
             raise ValueError(f"filter prune: depthwise conv {name!r} must lose all {mult} outputs of a channel")
         n = len(keep) // mult  # upstream left out_channels stale here; all four must agree
         return _with_bias(m, w[keep], keep), {"out_channels": len(keep), "in_channels": n, "groups": n}
-    if isinstance(m, _DECONVS):  # weight (Cin, Cout/g, ...): input channels are rows
+    if isinstance(m, TRANSPOSED_CONVS):  # weight (Cin, Cout/g, ...): input channels are rows
         if out_cut:
             raise ValueError(f"filter prune: {name!r} ({type(m).__name__}) is only pruned on its input channels")
         cin_g = m.in_channels // g
@@ -144,7 +142,7 @@ def _cut_conv(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> E
 
 def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
     """The new tensors and sizes of one module; nothing is changed yet."""
-    if isinstance(m, _CONVS + _DECONVS):
+    if isinstance(m, CONVS + TRANSPOSED_CONVS):
         return _cut_conv(name, m, out_cut, in_cut)
     if isinstance(m, nn.Linear):
         rows = _keep(m.out_features, out_cut, f"{name}.out_features")
@@ -153,7 +151,7 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         if m.bias is not None:
             tensors["bias"] = m.bias.data[rows]
         return tensors, {"out_features": len(rows), "in_features": len(cols)}
-    if isinstance(m, _BNS):
+    if isinstance(m, BATCHNORM_TYPES):
         keep = _keep(m.num_features, out_cut | in_cut, f"{name}.num_features")
         tensors = {a: getattr(m, a).data[keep] for a in ("weight", "bias", "running_mean", "running_var")
                    if getattr(m, a, None) is not None}
@@ -194,21 +192,3 @@ def apply_removal(model: nn.Module, groups: list[PruneGroup]) -> None:
             _commit(module, edit)
     logger.info("filter prune: removed channels from %d groups (%d layers edited)",
                 sum(1 for g in groups if g.removed), len(edits))
-
-
-def summary(model_before: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, list[int]]]:
-    """Per layer: {"out": [before, after]} for producers, {"in": [before, after]} for consumers
-    (features for BatchNorm / depthwise convs count as "out")."""
-    modules = dict(model_before.named_modules())
-    cuts = _gather(model_before, groups)
-    result: dict[str, dict[str, list[int]]] = {}
-    for name, cut in cuts.items():
-        m = modules[name]
-        if isinstance(m, _BNS):
-            sizes = {"out": m.num_features}
-        elif isinstance(m, nn.Linear):
-            sizes = {"out": m.out_features, "in": m.in_features}
-        else:
-            sizes = {"out": m.out_channels, "in": m.in_channels}
-        result[name] = {axis: [n, n - len(cut[axis])] for axis, n in sizes.items() if cut.get(axis)}
-    return result

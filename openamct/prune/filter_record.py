@@ -14,17 +14,15 @@ import logging
 
 from torch import nn
 
-from openamct.graph.group import FUNCTION_OP_TYPES, Member, PruneGroup
+from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, is_depthwise
 from openamct.prune.filter import validate_removal
+from openamct.prune.group import FUNCTION_OP_TYPES, Member, PruneGroup
 from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
 from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
 
 logger = logging.getLogger(__name__)
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_DECONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_TYPES = {"Conv": _CONVS, "ConvTranspose": _DECONVS, "Gemm": (nn.Linear,), "BatchNormalization": _BNS}
+_TYPES = {"Conv": CONVS, "ConvTranspose": TRANSPOSED_CONVS, "Gemm": (nn.Linear,), "BatchNormalization": BATCHNORM_TYPES}
 
 
 def _write_member(node: PruneNode, m: Member) -> None:
@@ -55,14 +53,10 @@ def groups_to_records(groups: list[PruneGroup], record: ScaleOffsetRecord) -> No
 
 # -- replay ------------------------------------------------------------------------------------
 
-def _is_depthwise(m: nn.Module) -> bool:
-    return isinstance(m, _CONVS) and m.groups > 1 and m.groups == m.in_channels
-
-
 def _axis_size(m: nn.Module, role: str) -> int:
     """Size of the axis a record node addresses: outputs for producers and passive layers,
     inputs for consumers."""
-    if isinstance(m, _BNS):
+    if isinstance(m, BATCHNORM_TYPES):
         return m.num_features
     if isinstance(m, nn.Linear):
         return m.out_features if role == "producer" else m.in_features
@@ -104,7 +98,7 @@ class _Reader:
         members, removed, prune_group = [], None, 1
         for node in self.pr.producer:
             m, kind = self.module(node, "producer")
-            if kind not in ("Conv", "Gemm") or _is_depthwise(m):
+            if kind not in ("Conv", "Gemm") or is_depthwise(m):
                 raise self.fail("producer", node, "cannot be a filter-prune producer")
             axis = get_int(node, "prune_axis")
             if axis is not None and axis not in ((-1, 1) if kind == "Gemm" else (1,)):
@@ -136,7 +130,7 @@ class _Reader:
             begin, end = get_int(node, "begin", 0), get_int(node, "end", channels)
             return Member(node.name, kind, begin, end, max((end - begin) // channels, 1), 1, "passive")
         m, kind = self.module(node, "consumer")
-        role = "passive" if isinstance(m, _BNS) or _is_depthwise(m) else "consumer"
+        role = "passive" if isinstance(m, BATCHNORM_TYPES) or is_depthwise(m) else "consumer"
         begin, end = self.span(node, m, role, "consumer")
         if (end - begin) % channels:
             raise self.fail("consumer", node, f"spans {end - begin} positions, not a multiple of the "

@@ -20,17 +20,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from openamct.layer_types import CONVS, LAYER_TYPES, NM_TYPES, TRANSPOSED_CONVS
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "NMSparsifier"]
 
 # Classes whose weight layout is [Cin, Cout/groups, ...]; every other conv and Linear is
 # [Cout, Cin/groups, ...].
-_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_REGULAR = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_TRANSPOSED = TRANSPOSED_CONVS
+_REGULAR = (*CONVS, nn.Linear)
 _KIND_AXIS = {cls.__name__: 0 for cls in _TRANSPOSED} | {cls.__name__: 1 for cls in _REGULAR}
-# SPEC section 4: 2:4 applies to these layer types only.
-_NM_TYPES = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
+_NM_TYPES = tuple(LAYER_TYPES[n].cls for n in NM_TYPES)
 
 
 def nm_axis(module_or_kind: nn.Module | type | str) -> int:
@@ -79,10 +80,10 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def compute_nm_mask(
-    weight: Tensor, axis: int, n: int = 2, m: int = 4, *, groups: int = 1
+    weight: Tensor, axis: int, n: int = 2, m: int = 4, *, groups: int = 1, as_bool: bool = False
 ) -> Tensor:
-    """0/1 mask (same shape and dtype as ``weight``) keeping the ``n`` largest |w| of every
-    ``m`` consecutive entries along ``axis``.
+    """0/1 mask (same shape and dtype as ``weight``, or bool keep-flags with ``as_bool``)
+    keeping the ``n`` largest |w| of every ``m`` consecutive entries along ``axis``.
 
     ``groups`` > 1 splits ``axis`` into that many equal parts, each padded on its own (transposed
     convs, see :func:`nm_groups`). Vectorised: one pass of comparisons per pair of positions in
@@ -107,16 +108,17 @@ def compute_nm_mask(
             f"groups: {groups} does not divide the {channels} channels on axis {axis} "
             f"of a weight of shape {list(weight.shape)}"
         )
+    dtype = torch.bool if as_bool else weight.dtype
     if weight.numel() == 0:
-        return torch.ones_like(weight)
-    return _nm_keep(weight, axis % weight.dim(), n, m, groups).to(weight.dtype)
+        return torch.ones_like(weight, dtype=dtype)
+    return _nm_keep(weight, axis % weight.dim(), n, m, groups).to(dtype)
 
 
 @torch.no_grad()
 def _nm_keep(weight: Tensor, axis: int, n: int, m: int, groups: int) -> Tensor:
-    """Bool keep-flags of :func:`compute_nm_mask` (arguments already validated). Bool, so the
-    sparsifier can copy them straight into its resident mask buffer: allocating a fresh float
-    mask costs more than the comparisons themselves (first-touch page faults)."""
+    """Bool keep-flags of :func:`compute_nm_mask` (arguments already validated). The sparsifier
+    takes them as bool and copies them straight into its resident mask buffer: allocating a
+    fresh float mask costs more than the comparisons themselves (first-touch page faults)."""
     mag = torch.nan_to_num_(weight.detach().abs(), nan=float("inf"))
     channels = weight.shape[axis]
     per_group = channels // groups
@@ -160,7 +162,7 @@ def nm_eligible(module: nn.Module) -> tuple[bool, str]:
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     kind = type(module).__name__
     if not isinstance(module, _NM_TYPES):
-        return False, f"{kind} is not supported by 2:4 sparsity (Conv2d, ConvTranspose2d, Linear)"
+        return False, f"{kind} is not supported by 2:4 sparsity ({', '.join(NM_TYPES)})"
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or isinstance(weight, nn.parameter.UninitializedParameter):
         return False, f"{kind} has no initialised weight"
@@ -290,10 +292,7 @@ class NMSparsifier(nn.Module):
 
     @torch.no_grad()
     def _recompute(self, w: Tensor) -> None:
-        if w.numel():
-            self._install(_nm_keep(w, self.axis, 2, 4, self.groups))
-        else:
-            self._install(torch.ones_like(self.mask, dtype=torch.bool))
+        self._install(compute_nm_mask(w, self.axis, 2, 4, groups=self.groups, as_bool=True))
 
     @torch.no_grad()
     def _install(self, keep: Tensor) -> None:

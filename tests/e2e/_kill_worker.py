@@ -70,7 +70,7 @@ def save_atomically(obj: dict, path: str) -> None:
 
 
 def journal_record_writes(workdir: str) -> None:
-    from openamct import session
+    from openamct.record import keeper as session
     from openamct.record.io import record_to_text
 
     journal = open(os.path.join(workdir, JOURNAL), "a")

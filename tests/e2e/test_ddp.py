@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from openamct.record.io import read_record
-from openamct.session import masks_in_record
+from openamct.techniques.sparsity24 import masks_in_record
 from tests.e2e._ddp_worker import train_digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

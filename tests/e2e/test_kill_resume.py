@@ -30,7 +30,7 @@ import torch
 
 import openamct as amct
 from openamct.record.io import read_record
-from openamct.session import masks_in_record
+from openamct.techniques.sparsity24 import masks_in_record
 from tests.e2e._kill_worker import CFG, CKPT, JOURNAL, RECORD, KillNet, data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

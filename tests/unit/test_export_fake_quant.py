@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import openamct as amct
+from openamct.compressed.layer import CompressedLayer
 from openamct.export.fake_quant import FakeQuantAct
 from openamct.export.writer import export_onnx, export_pair
-from openamct.quant.layer import CompressedLayer
 from tests.models import MODELS, example_input
 
 QUANT_CFG = """retrain_data_quant_config: { ulq_quantize: { } }

@@ -11,8 +11,8 @@ from torch import nn
 
 from openamct.config.specs import FilterSpec, LayerPlan, Plan
 from openamct.graph.capture import capture_graph
-from openamct.graph.dependency import analyse
 from openamct.graph.layers import find_layers
+from openamct.prune.dependency import analyse
 from openamct.prune.filter import apply_removal, score_and_select
 from openamct.prune.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs

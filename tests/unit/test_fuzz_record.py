@@ -24,7 +24,7 @@ import openamct as amct
 from openamct.prune.filter_record import groups_from_records
 from openamct.record.io import read_record, record_to_text
 from openamct.record.scale_offset_record_pb2 import AttrType, ScaleOffsetRecord
-from openamct.session import masks_in_record
+from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import COMPAT
 from tests.hang import no_hang
 from tests.record_models import EltwiseConv, NetTrainBranch, SingleConv, SplitConcatConv

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openamct.compressed.layer import CompressedLayer
 from openamct.quant.bn_fold import bn_scale
 from openamct.quant.functions import arq_scales, fake_quant_per_channel
-from openamct.quant.layer import CompressedLayer
 from openamct.quant.quantizers import ActULQ, WeightARQ, WeightULQ
 
 

@@ -1,7 +1,8 @@
-"""Turn a compressed model into plain export modules: every ``CompressedLayer`` becomes an
-``ExportLayer`` holding the eval-mode folded weight and bias (BN folded, 2:4 mask applied,
+"""Lower a compressed model to plain export modules: every ``CompressedLayer`` becomes an
+``ExportLayer`` holding the eval-mode folded weight and bias (BN folded, masks applied,
 weights fake-quantized) plus whatever the target file wants around the op (explicit fake-quant
-ops for the fake-quant model, Q/DQ-exporting ops for the deploy model).
+ops for the fake-quant model, Q/DQ-exporting ops for the deploy model). What each layer's
+techniques contribute comes from their ``export_parts`` verb, as one ``ExportParts``.
 
 The caller's model is never touched: ``working_copy`` deep-copies it and strips the record
 keeper's hooks, so running the copy cannot rewrite the record file.
@@ -11,29 +12,22 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from openamct._checks import unwrap
+from openamct.compressed.layer import CompressedLayer
+from openamct.compressed.ops import WeightOp
+from openamct.module_tree import set_module
 from openamct.quant.functions import QMAX, QMIN, to_channel_major
-from openamct.quant.layer import CompressedLayer
+from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LayerQuant", "ExportLayer", "QDQAct", "WeightQDQ", "working_copy", "compressed_layers",
-           "is_quantized", "layer_quant", "fold_layers"]
-
-
-@dataclass(frozen=True)
-class LayerQuant:
-    """What the export needs to know of a layer's quantizers, as plain numbers."""
-
-    act: tuple[float, int] | None  # input quantizer (scale, int8 offset)
-    out: tuple[float, float] | None  # output observer (min, max), None when never trained
+__all__ = ["ExportLayer", "QDQAct", "WeightQDQ", "working_copy", "compressed_layers",
+           "export_parts", "fold_layers"]
 
 
 def working_copy(model: nn.Module) -> nn.Module:
@@ -53,19 +47,14 @@ def compressed_layers(model: nn.Module) -> dict[str, CompressedLayer]:
     return {n: m for n, m in model.named_modules() if isinstance(m, CompressedLayer)}
 
 
-def is_quantized(layer: CompressedLayer) -> bool:
-    return layer.act_quant is not None or layer.wts_quant is not None
+def export_parts(layer: CompressedLayer, techniques: Sequence[Technique]) -> ExportParts:
+    parts = ExportParts()
+    for technique in techniques:
+        technique.export_parts(layer, parts)
+    return parts
 
 
-@torch.no_grad()
-def layer_quant(layer: CompressedLayer) -> LayerQuant:
-    act = layer.act_quant.scale_offset() if layer.act_quant is not None else None
-    obs = layer.out_observer
-    out = (float(obs.min_val), float(obs.max_val)) if obs is not None and bool(obs.initialized) else None
-    return LayerQuant(act, out)
-
-
-class ExportLayer(nn.Module):
+class ExportLayer(WeightOp):
     """One folded Conv/ConvTranspose/Linear: ``op(pre(x), weight_fn(weight), bias)``.
 
     ``pre`` is the input activation module (or None); ``weight_fn`` maps the stored float weight
@@ -79,10 +68,7 @@ class ExportLayer(nn.Module):
                  gemm_2d: bool = False) -> None:
         super().__init__()
         self.kind, self.spatial = layer.kind, layer.spatial
-        if layer.kind != "linear":
-            for k in ("stride", "padding", "dilation", "groups", "padding_mode", "output_padding"):
-                setattr(self, k, getattr(layer, k))
-            self.pad = list(layer._reversed_padding_repeated_twice)
+        self.copy_op_attrs(layer)
         self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.pre, self.weight_fn = pre, weight_fn
@@ -102,18 +88,6 @@ class ExportLayer(nn.Module):
             x = self.pre(x)
         w = self.weight if self.weight_fn is None else self.weight_fn(self.weight)
         return self._op(x, w, self.bias)
-
-    def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        if self.kind == "linear":
-            return F.linear(x, w, b)
-        if self.kind.startswith("conv_transpose"):
-            fn = F.conv_transpose1d if self.kind == "conv_transpose1d" else F.conv_transpose2d
-            return fn(x, w, b, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
-        fn = (F.conv1d, F.conv2d, F.conv3d)[self.spatial - 1]
-        if self.padding_mode != "zeros":
-            x = F.pad(x, self.pad, mode=self.padding_mode)
-            return fn(x, w, b, self.stride, 0, self.dilation, self.groups)
-        return fn(x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
 
 class QDQAct(nn.Module):
@@ -154,22 +128,20 @@ def per_channel_view(w: Tensor, layer: CompressedLayer) -> tuple[Tensor, int]:
     return to_channel_major(w, int(layer.weight_axis), int(layer.weight_groups))
 
 
-Builder = Callable[[str, CompressedLayer, Tensor, Tensor | None], nn.Module]
+Builder = Callable[[str, CompressedLayer, Tensor, Tensor | None, ExportParts], nn.Module]
 
 
 @torch.no_grad()
-def fold_layers(model: nn.Module, build: Builder) -> dict[str, LayerQuant]:
+def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique]) -> dict[str, ExportParts]:
     """Replace every CompressedLayer of ``model`` (a working copy) in place by
-    ``build(name, layer, weight, bias)``; return each layer's INT8 parameters."""
+    ``build(name, layer, weight, bias, parts)``; return each layer's ExportParts."""
     found = compressed_layers(model)
     if "" in found:
         raise ValueError("model: the root module itself is a compressed layer; wrap it in a container")
-    quants = {}
+    out = {}
     for name, layer in found.items():
         layer.eval()
         w, b = layer.effective_weight_bias()
-        quants[name] = layer_quant(layer)
-        new = build(name, layer, w.detach().float(), None if b is None else b.detach().float())
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return quants
+        parts = out[name] = export_parts(layer, techniques)
+        set_module(model, name, build(name, layer, w.detach().float(), None if b is None else b.detach().float(), parts))
+    return out

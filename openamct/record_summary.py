@@ -6,7 +6,7 @@ import json
 
 from openamct.record import attrs
 from openamct.record.io import read_record
-from openamct.session import masks_in_record
+from openamct.techniques.sparsity24 import masks_in_record
 
 
 def report_record(path: str) -> dict:

@@ -14,10 +14,13 @@ import logging
 import math
 from dataclasses import dataclass
 
-from openamct.config.specs import FILTER_TYPES, FilterSpec, Plan
+from openamct.config.specs import FilterSpec, Plan
 from openamct.graph.graph import Graph
-from openamct.graph.group import BlockedGroup, Member, PruneGroup
-from openamct.graph.index_mapping import (
+from openamct.graph.layers import LayerInfo
+from openamct.graph.node import Node, TensorArg, TensorInfo
+from openamct.layer_types import FILTER_TYPES, LAYER_TYPES
+from openamct.prune.group import BlockedGroup, Member, PruneGroup
+from openamct.prune.index_mapping import (
     AXIS_OPS,
     ChannelMap,
     align,
@@ -25,8 +28,6 @@ from openamct.graph.index_mapping import (
     dims_arg,
     follow,
 )
-from openamct.graph.layers import LayerInfo
-from openamct.graph.node import Node, TensorArg, TensorInfo
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,8 @@ BINARY_FUNCTIONS = {"add": "Add", "sub": "Sub", "rsub": "Sub", "mul": "Mul", "di
 NO_CHANNELS = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
                "full_like", "rand_like", "randn_like", "size", "dim", "numel"}
 BATCHNORMS = {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d"}
-CONSUMER_TYPES = {"Conv1d": "Conv", "Conv2d": "Conv", "ConvTranspose1d": "ConvTranspose",
-                  "ConvTranspose2d": "ConvTranspose", "Linear": "Gemm"}
-PRODUCER_OP = {"Conv1d": "Conv", "Conv2d": "Conv", "Conv3d": "Conv", "ConvTranspose1d": "ConvTranspose",
-               "ConvTranspose2d": "ConvTranspose", "Linear": "Gemm"}
+CONSUMER_TYPES = {n: t.op_type for n, t in LAYER_TYPES.items() if t.filter}
+PRODUCER_OP = {n: t.op_type for n, t in LAYER_TYPES.items()}
 
 
 @dataclass

@@ -9,7 +9,10 @@ from typing import Any
 from torch import nn
 
 from openamct import pipeline
+from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.stats import count_macs, count_params
+from openamct.techniques import Context
+from openamct.techniques.filter_prune import FilterPruning
 
 
 @dataclass
@@ -53,13 +56,12 @@ def inspect_model(model: nn.Module, input_data: Any, config: str, api: str) -> I
     params0, macs0 = count_params(work), count_macs(work, input_data)
     before = {n: getattr(m, "out_channels", getattr(m, "out_features", None)) for n, m in work.named_modules()}
     blocked = []
-    if a.plan.filter_pruned():
-        from openamct.graph.dependency import analyse as analyse_groups
-        from openamct.prune.filter import apply_removal, score_and_select
-
-        groups, blocked = analyse_groups(a.graph, a.layers, a.plan)
-        score_and_select(work, groups)
-        apply_removal(work, [g for g in groups if g.removed])
+    ctx = Context(work, a.graph, a.layers, a.plan, ScaleOffsetRecord(), restoring=False)
+    pruning = FilterPruning()
+    if pruning.wanted(ctx):  # the channel counts after pruning; nothing else changes shapes
+        state = pruning.plan(ctx)
+        pruning.apply(ctx, state)
+        blocked = state.blocked
     after = {n: getattr(m, "out_channels", getattr(m, "out_features", None)) for n, m in work.named_modules()}
     rows = []
     for name, lp in a.plan.layers.items():

@@ -1,7 +1,7 @@
 """``CompressedLayer``: the one wrapper every compressed Conv1d/2d/3d, ConvTranspose1d/2d and
-Linear becomes.
+Linear becomes, whatever techniques compress it.
 
-Weight path: w -> sparsity mask -> BN scale (if a BN is folded) -> weight quantizer.
+Weight path: w -> 2:4 mask -> further masks -> BN scale (if a BN is folded) -> weight quantizer.
 
 BN folding (SPEC §4). Eval (and a BN in eval mode): the exact fold, op(x, q(w*g/s), (b-mu)*g/s+beta).
 Training: torch.ao's approximate fold, y = BN_train(op(x, q(w*c)) / c + b), c = g/sqrt(running_var
@@ -10,42 +10,26 @@ real arithmetic), so that expression equals BN_train(op(x, q(w), b)) and the mul
 are skipped; other quantizers take the literal path.
 
 First layer: when the input needs no gradient (the image) but its quantizer's clips do, the clip
-gradients come from one extra forward op instead of the op's backward-data (``_taps_input``).
+gradients come from one extra forward op instead of the op's backward-data (``clip_grad``).
 """
 
 from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd import Function
 
+from openamct.compressed.clip_grad import input_clip_grad
+from openamct.compressed.ops import WeightOp, op_kind
+from openamct.compressed.parts import LayerParts
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
-from openamct.quant.functions import LEVELS, QMAX, QMIN, graph_mode, ulq_qparams_float
+from openamct.quant.functions import graph_mode, ulq_qparams_float
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompressedLayer", "SUPPORTED_TYPES"]
-
-# type -> (kind, spatial dims); ConvTranspose* before the generic check (they share _ConvNd).
-SUPPORTED_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
-_KINDS = {
-    nn.ConvTranspose1d: ("conv_transpose1d", 1), nn.ConvTranspose2d: ("conv_transpose2d", 2),
-    nn.Conv1d: ("conv1d", 1), nn.Conv2d: ("conv2d", 2), nn.Conv3d: ("conv3d", 3),
-    nn.Linear: ("linear", 0),
-}
-
-
-def _kind_of(module: nn.Module) -> tuple[str, int]:
-    for cls in SUPPORTED_TYPES:
-        if isinstance(module, cls):
-            return _KINDS[cls]
-    raise TypeError(f"module: CompressedLayer supports {[c.__name__ for c in SUPPORTED_TYPES]}, "
-                    f"got {type(module).__name__}")
+__all__ = ["CompressedLayer", "LayerParts"]
 
 
 def _check_child(name: str, value) -> None:
@@ -53,58 +37,10 @@ def _check_child(name: str, value) -> None:
         raise TypeError(f"{name}: expected an nn.Module or None, got {type(value).__name__}")
 
 
-class _InputClipGrad(Function):
-    """Identity on a linear op's output ``out = op(x_q, w)``; its backward adds the ULQ clip
-    gradients of x_q = ULQ(x) when x itself needs no gradient. By linearity of op,
-    sum(dL/dx_q * c) = sum(dL/dout * op(c, w)) for the per-element coefficient c of each clip, and
-    with nothing saturated c_max = (x_q - x)/(255 s), c_min = -c_max: one forward op."""
-
-    @staticmethod
-    def forward(ctx, out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op):
-        ctx.save_for_backward(x, xq, w)
-        ctx.consts = (qparams, fixed_min, op, clip_max.dtype)
-        # Returned as itself, declared "modified in place": a view would forbid a following
-        # in-place op (ReLU(inplace=True)), a clone would cost a pass and memory.
-        ctx.mark_dirty(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g_out):
-        x, xq, w = ctx.saved_tensors
-        (s, zp, cmax, cmin), fixed_min, op, pdtype = ctx.consts
-        w = w.detach()
-        y_lo, y_hi = float(np.float32((QMIN - zp) * s)), float(np.float32((QMAX - zp) * s))
-        x_lo, x_hi = (v.item() for v in torch.aminmax(x))
-        g = g_out.reshape(-1)
-        grad_min = None
-        if y_lo <= x_lo and x_hi <= y_hi:
-            grad_max = torch.dot(g, op(xq - x, w, None).reshape(-1)).item() / (LEVELS * s)
-            grad_min = -grad_max
-        else:
-            e_up = (round(cmax / s) - cmax / s) / LEVELS
-            e_lo = (round(cmin / s) - cmin / s) / LEVELS
-            up, lo = x > y_hi, x < y_lo
-            c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (LEVELS * s)))
-            grad_max = torch.dot(g, op(c_max, w, None).reshape(-1)).item()
-            if not fixed_min:  # c_min = saturated - c_max
-                sat = (up | lo).to(x.dtype)
-                grad_min = torch.dot(g, op(sat, w, None).reshape(-1)).item() - grad_max
-        kw = {"dtype": pdtype, "device": x.device}
-        return (g_out, torch.tensor(grad_max, **kw),
-                None if fixed_min else torch.tensor(grad_min, **kw),
-                None, None, None, None, None, None)
-
-
-def input_clip_grad(out: Tensor, clip_max: Tensor, clip_min: Tensor, x: Tensor, xq: Tensor,
-                    w: Tensor, qparams: tuple[float, int, float, float], fixed_min: bool,
-                    op) -> Tensor:
-    """``out`` (= op(xq, w, b)) unchanged, plus clip gradients for xq = ULQ(x); see _InputClipGrad."""
-    return _InputClipGrad.apply(out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op)
-
-
-class CompressedLayer(nn.Module):
-    """A Conv/ConvTranspose/Linear with optional folded BN, sparsity, input-activation and weight
-    quantizers and an output range observer. ``weight``/``bias`` keep the wrapped module's names."""
+class CompressedLayer(WeightOp):
+    """A Conv/ConvTranspose/Linear with optional folded BN, weight masks, input-activation and
+    weight quantizers and an output range observer. ``weight``/``bias`` keep the wrapped
+    module's names, and each part its own attribute, so state-dict keys are stable."""
 
     _openamct_leaf = True  # graph capture treats it as one op, like the module it wraps
 
@@ -121,18 +57,23 @@ class CompressedLayer(nn.Module):
         self.act_quant: nn.Module | None = None
         self.wts_quant: nn.Module | None = None
         self.out_observer: nn.Module | None = None
+        self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def wrap(cls, module: nn.Module, *, bn: nn.Module | None = None,
-             act_quant: nn.Module | None = None, wts_quant: nn.Module | None = None,
-             sparsity: nn.Module | None = None, observe_output: bool = False) -> CompressedLayer:
-        kind, spatial = _kind_of(module)
-        for name, child in (("act_quant", act_quant), ("wts_quant", wts_quant),
-                            ("sparsity", sparsity)):
-            _check_child(name, child)
-        if not isinstance(observe_output, bool):
-            raise TypeError(f"observe_output: expected a bool, got {type(observe_output).__name__}")
+    def wrap(cls, module: nn.Module, **parts) -> CompressedLayer:
+        """``from_parts`` with the LayerParts fields as keywords."""
+        return cls.from_parts(module, LayerParts(**parts))
+
+    @classmethod
+    def from_parts(cls, module: nn.Module, parts: LayerParts) -> CompressedLayer:
+        kind, spatial = op_kind(module)
+        for name in ("act_quant", "wts_quant", "sparsity"):
+            _check_child(name, getattr(parts, name))
+        for name, mask in parts.masks.items():
+            _check_child(f"masks[{name!r}]", mask)
+        if not isinstance(parts.observe_output, bool):
+            raise TypeError(f"observe_output: expected a bool, got {type(parts.observe_output).__name__}")
         what = f"{type(module).__name__}"
         if kind == "linear":
             hyper = {"in_features": module.in_features, "out_features": module.out_features}
@@ -146,10 +87,17 @@ class CompressedLayer(nn.Module):
             axis = 1 if module.transposed else 0
         hyper["layer_type"] = type(module).__name__
         hyper["weight_axis"], hyper["weight_groups"] = axis, groups
+        bn = parts.bn
         if bn is not None:
             check_foldable(bn, out_ch, what)
         layer = cls(kind, spatial, module.weight, module.bias, hyper)
-        layer.bn, layer.sparsity, layer.act_quant = bn, sparsity, act_quant
+        layer.bn, layer.sparsity, layer.act_quant = bn, parts.sparsity, parts.act_quant
+        for name, mask in parts.masks.items():
+            if hasattr(layer, name):
+                raise ValueError(f"masks: {name!r} is already an attribute of CompressedLayer")
+            layer.add_module(name, mask)
+        layer.mask_names = tuple(parts.masks)
+        wts_quant = parts.wts_quant
         if wts_quant is not None:
             if hasattr(wts_quant, "bind"):
                 wts_quant.bind(axis, groups)
@@ -158,7 +106,7 @@ class CompressedLayer(nn.Module):
                 # Unmasked: calling the sparsity module here would count as its first batch, and
                 # 2:4 keeps each group's largest |w|, so max|w| per channel is the same anyway.
                 wts_quant.init_from(layer._folded_weight(masked=False).detach())
-        if observe_output:
+        if parts.observe_output:
             layer.out_observer = RangeObserver()
         bn_mode = None if bn is None else bn.training
         layer.train(module.training)
@@ -171,9 +119,18 @@ class CompressedLayer(nn.Module):
         q = self.wts_quant
         return q is None or bool(getattr(q, "commutes_with_channel_scale", False))
 
+    def _masked(self, w: Tensor, step: bool = True) -> Tensor:
+        """The weight with every mask applied. ``step=False`` applies the installed masks
+        without calling the mask modules, whose training-mode call counts a batch (and may
+        recompute the mask)."""
+        masks = [getattr(self, n) for n in self.mask_names]
+        for m in ([self.sparsity] if self.sparsity is not None else []) + masks:
+            w = m(w) if step else w * m.mask.to(w.dtype)
+        return w
+
     def effective_weight_bias(self) -> tuple[Tensor, Tensor | None]:
         """Eval-mode weight and bias: BN folded exactly, masked, quantized (what eval forward uses)."""
-        w = self.weight if self.sparsity is None else self.sparsity(self.weight)
+        w = self._masked(self.weight)
         b = self.bias
         if self.bn is not None:
             c = bn_scale(self.bn)
@@ -184,14 +141,8 @@ class CompressedLayer(nn.Module):
         return w, b
 
     def _folded_weight(self, masked: bool = True, step: bool = True) -> Tensor:
-        """BN-folded weight. ``step=False`` applies the installed mask without calling the
-        sparsifier, whose training-mode call counts a batch (and may recompute the mask)."""
-        if self.sparsity is None or not masked:
-            w = self.weight
-        elif step:
-            w = self.sparsity(self.weight)
-        else:
-            w = self.weight * self.sparsity.mask.to(self.weight.dtype)
+        """BN-folded weight (see ``_masked`` for ``step``)."""
+        w = self._masked(self.weight, step) if masked else self.weight
         if self.bn is not None:
             w = scale_out_channels(w, bn_scale(self.bn), self.weight_axis, self.weight_groups)
         return w
@@ -204,20 +155,6 @@ class CompressedLayer(nn.Module):
         return self.wts_quant.scales(self._folded_weight(step=False).detach())
 
     # -- forward -------------------------------------------------------------------------------
-    def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        k = self.kind
-        if k == "linear":
-            return F.linear(x, w, b)
-        if k.startswith("conv_transpose"):
-            fn = F.conv_transpose1d if k == "conv_transpose1d" else F.conv_transpose2d
-            return fn(x, w, b, self.stride, self.padding, self.output_padding, self.groups,
-                      self.dilation)
-        fn = (F.conv1d, F.conv2d, F.conv3d)[self.spatial - 1]
-        if self.padding_mode != "zeros":
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return fn(x, w, b, self.stride, 0, self.dilation, self.groups)
-        return fn(x, w, b, self.stride, self.padding, self.dilation, self.groups)
-
     def _channel_shape(self, y: Tensor) -> list[int]:
         if self.kind == "linear":
             return [-1]
@@ -264,7 +201,7 @@ class CompressedLayer(nn.Module):
 
     def _forward_fold_train(self, x: Tensor, tap=None) -> Tensor:
         if self._fold_commutes():
-            w = self.weight if self.sparsity is None else self.sparsity(self.weight)
+            w = self._masked(self.weight)
             wq = w if self.wts_quant is None else self.wts_quant(w)
             return self.bn(self._op_tap(x, wq, self.bias, tap))
         y = self._op_tap(x, self.wts_quant(self._folded_weight()), None, tap)

@@ -1,0 +1,67 @@
+"""Clip gradients for a first layer's input quantizer without the op's backward-data pass.
+
+When the input needs no gradient (the image) but its quantizer's clips do, autograd would run
+the op's backward-data only to get dL/dx_q for the clips (for a 3-channel stem conv that costs
+several forward convs); ``input_clip_grad`` gets the same clip gradients from one forward op
+on (x_q - x) instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from openamct.quant.functions import LEVELS, QMAX, QMIN
+
+
+class _InputClipGrad(Function):
+    """Identity on a linear op's output ``out = op(x_q, w)``; its backward adds the ULQ clip
+    gradients of x_q = ULQ(x) when x itself needs no gradient. By linearity of op,
+    sum(dL/dx_q * c) = sum(dL/dout * op(c, w)) for the per-element coefficient c of each clip, and
+    with nothing saturated c_max = (x_q - x)/(255 s), c_min = -c_max: one forward op."""
+
+    @staticmethod
+    def forward(ctx, out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op):
+        ctx.save_for_backward(x, xq, w)
+        ctx.consts = (qparams, fixed_min, op, clip_max.dtype)
+        # Returned as itself, declared "modified in place": a view would forbid a following
+        # in-place op (ReLU(inplace=True)), a clone would cost a pass and memory.
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):
+        x, xq, w = ctx.saved_tensors
+        (s, zp, cmax, cmin), fixed_min, op, pdtype = ctx.consts
+        w = w.detach()
+        y_lo, y_hi = float(np.float32((QMIN - zp) * s)), float(np.float32((QMAX - zp) * s))
+        x_lo, x_hi = (v.item() for v in torch.aminmax(x))
+        g = g_out.reshape(-1)
+        grad_min = None
+        if y_lo <= x_lo and x_hi <= y_hi:
+            grad_max = torch.dot(g, op(xq - x, w, None).reshape(-1)).item() / (LEVELS * s)
+            grad_min = -grad_max
+        else:
+            e_up = (round(cmax / s) - cmax / s) / LEVELS
+            e_lo = (round(cmin / s) - cmin / s) / LEVELS
+            up, lo = x > y_hi, x < y_lo
+            c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (LEVELS * s)))
+            grad_max = torch.dot(g, op(c_max, w, None).reshape(-1)).item()
+            if not fixed_min:  # c_min = saturated - c_max
+                sat = (up | lo).to(x.dtype)
+                grad_min = torch.dot(g, op(sat, w, None).reshape(-1)).item() - grad_max
+        kw = {"dtype": pdtype, "device": x.device}
+        return (g_out, torch.tensor(grad_max, **kw),
+                None if fixed_min else torch.tensor(grad_min, **kw),
+                None, None, None, None, None, None)
+
+
+def input_clip_grad(out: Tensor, clip_max: Tensor, clip_min: Tensor, x: Tensor, xq: Tensor,
+                    w: Tensor, qparams: tuple[float, int, float, float], fixed_min: bool,
+                    op) -> Tensor:
+    """``out`` (= op(xq, w, b)) unchanged, plus clip gradients for xq = ULQ(x); see _InputClipGrad."""
+    return _InputClipGrad.apply(out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op)
+
+

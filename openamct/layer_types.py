@@ -1,0 +1,72 @@
+"""The one table of the layer types openamct compresses and what each technique may do to them.
+
+Configs name layer types by their torch class name ("Conv2d"); a subclass counts as its base
+(MultiheadAttention's out_proj is a Linear). Everything that asks "is this layer supported for
+X" reads this table: config validation, the per-layer plan, graph layer discovery, the
+compressed layer, 2:4 masks and channel-dependency analysis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerType:
+    name: str  # the config spelling: the torch class name
+    cls: type[nn.Module]
+    op_type: str  # the ONNX op it exports as (record files name members by it)
+    spatial: int  # 0 for Linear
+    transposed: bool  # weight [Cin, Cout/groups, ...] instead of [Cout, Cin/groups, ...]
+    quant: bool  # INT8 QAT
+    nm: bool  # 2:4 sparsity
+    filter: str  # "active": pruned on its own; "consumer": follows its input only; "": neither
+
+    @property
+    def in_axis(self) -> int:
+        """The weight's input-channel axis (2:4 groups run along it)."""
+        return 0 if self.transposed else 1
+
+    @property
+    def out_axis(self) -> int:
+        return 1 if self.transposed else 0
+
+
+LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
+    LayerType("Conv1d", nn.Conv1d, "Conv", 1, False, quant=True, nm=False, filter="consumer"),
+    LayerType("Conv2d", nn.Conv2d, "Conv", 2, False, quant=True, nm=True, filter="active"),
+    LayerType("Conv3d", nn.Conv3d, "Conv", 3, False, quant=True, nm=False, filter=""),
+    LayerType("ConvTranspose1d", nn.ConvTranspose1d, "ConvTranspose", 1, True, quant=True, nm=False,
+              filter="consumer"),
+    LayerType("ConvTranspose2d", nn.ConvTranspose2d, "ConvTranspose", 2, True, quant=True, nm=True,
+              filter="consumer"),
+    LayerType("Linear", nn.Linear, "Gemm", 0, False, quant=True, nm=True, filter="active"),
+)}
+
+QUANT_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.quant)
+NM_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.nm)
+FILTER_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.filter == "active")
+ALL_TYPES = tuple(LAYER_TYPES)
+
+# Modules channel pruning slices along with a layer but never decides for (SPEC §4).
+BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def layer_type_of(module: nn.Module) -> LayerType | None:
+    """The table row of ``module`` (exact class first, then the first base class), or None."""
+    exact = LAYER_TYPES.get(type(module).__name__)
+    if exact is not None and type(module) is exact.cls:
+        return exact
+    for t in LAYER_TYPES.values():
+        if isinstance(module, t.cls):
+            return t
+    return None
+
+
+def is_depthwise(module: nn.Module) -> bool:
+    """A conv whose every group reads one input channel (it follows its input's channels)."""
+    return (isinstance(module, CONVS) and module.groups > 1 and module.groups == module.in_channels)

@@ -1,0 +1,83 @@
+"""The record keeper of one compressed model.
+
+It is attached to the model that create_*/restore_* return (as forward hooks and the
+``_openamct`` attribute) and writes the record file whenever what it describes changes: at
+create, as soon as a technique says its entries are out of date (a 2:4 mask computed or
+changed), at the first eval-mode forward after training (the quantization scales) and at
+save. Each technique writes its own entries. Writes are atomic and happen on rank 0 only, so
+every rank of a DDP job can hold a keeper.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from openamct.record.io import write_record
+from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+
+logger = logging.getLogger(__name__)
+
+
+def is_writer_rank() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class RecordKeeper:
+    def __init__(self, path: str, applied: list[tuple[Any, Any]], layers: dict[str, nn.Module]) -> None:
+        self.path = path
+        self.applied = applied  # (technique, its state), in the order they were applied
+        self.layers = layers  # name -> CompressedLayer
+        self._trained = False
+        # What was installed from a record is already in it: only later changes need a write
+        # (an evaluation script restoring from a live job's record must not rewrite it).
+        self.mark_recorded()
+
+    @property
+    def techniques(self) -> list:
+        return [t for t, _ in self.applied]
+
+    # -- hooks -----------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> None:
+        model._openamct = self
+        model.register_forward_pre_hook(self.before_forward)
+        model.register_forward_hook(self.after_forward)
+
+    def before_forward(self, model: nn.Module, args) -> None:
+        if model.training:
+            self._trained = True
+
+    def after_forward(self, model: nn.Module, args, output) -> None:
+        eval_after_training = not model.training and self._trained
+        if eval_after_training:
+            self._trained = False
+        if eval_after_training or any(t.record_due(s, self.layers) for t, s in self.applied):
+            self.flush()
+
+    def mark_recorded(self) -> None:
+        for technique, state in self.applied:
+            technique.mark_recorded(state, self.layers)
+
+    def after_checkpoint(self) -> None:
+        for technique, state in self.applied:
+            technique.after_checkpoint(state, self.layers)
+
+    # -- content ---------------------------------------------------------------------------
+    def build(self) -> ScaleOffsetRecord:
+        record = ScaleOffsetRecord()
+        for technique, state in self.applied:
+            technique.to_record(state, self.layers, record)
+        return record
+
+    def flush(self, path: str | None = None) -> None:
+        """Write the record now (atomically; rank 0 only)."""
+        target = path or self.path
+        self.mark_recorded()
+        if not is_writer_rank():
+            return
+        write_record(target, self.build())
+        logger.debug("record written: %s", target)

@@ -1,0 +1,119 @@
+"""The verbs every compression technique has, and what they share while a model is built.
+
+A technique goes through one model's life like this (``openamct.pipeline`` runs the loop, in
+registry order, for create and restore; the record keeper and the export ask afterwards):
+
+- create:  ``plan`` (decide from the per-layer plan, the graph and the weights) -> ``apply``;
+- restore: ``from_record`` (read its own entries of the record, never re-deciding) ->
+  ``check_restore`` -> ``apply``; after the checkpoint is loaded, ``after_checkpoint``;
+- every record write: ``to_record`` (its own entries), ``record_due`` (must the record be
+  rewritten after this forward?) and ``mark_recorded``;
+- save: ``export_parts`` (what the fake-quant and deploy writers need from a layer).
+
+``plan``/``from_record`` return the technique's *state* for this model (any object); the
+other verbs receive it back. ``apply`` either edits ``ctx.model`` (channels removed) or hands
+parts to the layers through ``ctx.parts_of(name)``, which the pipeline then wraps into one
+``CompressedLayer`` per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from openamct.compressed.parts import LayerParts
+from openamct.config.specs import LayerPlan, Plan
+from openamct.graph.graph import Graph
+from openamct.graph.layers import LayerInfo
+from openamct.record import attrs
+from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
+
+
+@dataclass
+class Context:
+    """What create/restore hand to every technique (one per call)."""
+
+    model: nn.Module  # the working copy, edited in place
+    graph: Graph
+    layers: dict[str, LayerInfo]
+    plan: Plan
+    record: ScaleOffsetRecord  # restore: the record read; create: empty
+    restoring: bool
+    parts: dict[str, LayerParts] = field(default_factory=dict)
+
+    def parts_of(self, name: str) -> LayerParts:
+        return self.parts.setdefault(name, LayerParts())
+
+
+@dataclass
+class ExportParts:
+    """One layer's numbers for the export writers; techniques fill the fields they own."""
+
+    input_quant: tuple[float, int] | None = None  # (scale, int8 offset) of the input quantizer
+    weight_scales: Tensor | None = None  # INT8 weight scales, Cout order (or 1 per tensor)
+    weight_per_channel: bool = False
+    output_range: tuple[float, float] | None = None  # trained (min, max) of the output
+
+    @property
+    def quantized(self) -> bool:
+        return self.input_quant is not None or self.weight_scales is not None
+
+
+def selective_algorithm(entry: PruneRecord) -> str | None:
+    """The ``algorithm`` attribute of a selective_prune entry (None in upstream's 2:4 records).
+    Techniques that store per-weight masks tag their entries with it."""
+    return attrs.get_str(entry.selective_prune, "algorithm") if entry.HasField("selective_prune") else None
+
+
+class Technique:
+    """Base class: the defaults are "nothing to do"; a technique overrides what it owns."""
+
+    name = ""
+
+    def planned(self, plan: Plan) -> list[LayerPlan]:
+        """The layers the config selects for this technique."""
+        return []
+
+    def owns(self, entry: PruneRecord) -> bool:
+        """Whether a prune_record entry of a record file is this technique's."""
+        return False
+
+    def in_record(self, record: ScaleOffsetRecord) -> bool:
+        return any(self.owns(pr) for pr in record.prune_record)
+
+    def wanted(self, ctx: Context) -> bool:
+        """Planned by the config, or (restore) present in the record: then ``check_restore``
+        decides whether the two fit together."""
+        return bool(self.planned(ctx.plan)) or (ctx.restoring and self.in_record(ctx.record))
+
+    def plan(self, ctx: Context) -> Any:
+        raise NotImplementedError
+
+    def from_record(self, ctx: Context) -> Any:
+        raise NotImplementedError
+
+    def check_restore(self, ctx: Context, state: Any) -> None:
+        """Refuse a record that does not fit the model and config (ValueError naming the layer)."""
+
+    def apply(self, ctx: Context, state: Any) -> None:
+        raise NotImplementedError
+
+    def to_record(self, state: Any, layers: dict[str, nn.Module], record: ScaleOffsetRecord) -> None:
+        """Write this technique's entries for the model as it is now (``layers``: name ->
+        CompressedLayer)."""
+
+    def record_due(self, state: Any, layers: dict[str, nn.Module]) -> bool:
+        """True when the record no longer says what the model holds (checked after forwards)."""
+        return False
+
+    def mark_recorded(self, state: Any, layers: dict[str, nn.Module]) -> None:
+        """The record now says what the model holds."""
+
+    def after_checkpoint(self, state: Any, layers: dict[str, nn.Module]) -> None:
+        """Restore: reconcile with the checkpoint's values, just loaded over the record's."""
+
+    def export_parts(self, layer: nn.Module, parts: ExportParts) -> None:
+        """Fill the fields of ``parts`` this technique owns for ``layer`` (a CompressedLayer
+        of the eval-mode working copy being exported)."""

@@ -1,0 +1,131 @@
+"""2:4 structured sparsity as a technique: an ``NMSparsifier`` per planned layer.
+
+Masks are computed from the weights at the first training batch (or recomputed every
+``update_freq`` batches), not at create; they reach the record as soon as they exist or
+change. Restore installs the record's masks; the checkpoint's own copies (buffers) then load
+over them, and where the two differ the checkpoint's win (see ``after_checkpoint``). Export
+needs nothing: the masks are folded into the exported weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from openamct.config.specs import LayerPlan, Plan
+from openamct.prune.mask_codec import pack_mask, unpack_mask
+from openamct.record import attrs
+from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
+from openamct.techniques.base import Context, Technique, selective_algorithm
+
+logger = logging.getLogger(__name__)
+
+
+def is_mask_entry(entry: PruneRecord) -> bool:
+    """An upstream-style 2:4 mask entry (other techniques tag theirs with an algorithm)."""
+    return entry.HasField("selective_prune") and selective_algorithm(entry) is None
+
+
+def masks_in_record(record: ScaleOffsetRecord) -> dict[str, torch.Tensor]:
+    """2:4 masks stored in a record, by layer name."""
+    masks = {}
+    for pr in record.prune_record:
+        if not is_mask_entry(pr):
+            continue
+        node = pr.selective_prune
+        shape, words = attrs.get_ints(node, "mask_shape"), attrs.get_ints(node, "selective_mask")
+        if shape is None or words is None:
+            raise ValueError(f"record: selective_prune {node.name!r} lacks mask_shape or selective_mask")
+        try:
+            masks[node.name] = unpack_mask(shape, words)
+        except ValueError as exc:
+            raise ValueError(f"record: selective_prune {node.name!r}: {exc}") from None
+    return masks
+
+
+def add_mask_entry(record: ScaleOffsetRecord, name: str, mask: torch.Tensor) -> PruneRecord:
+    entry = record.prune_record.add()
+    shape, words = pack_mask(mask)
+    node = entry.selective_prune
+    node.name = name
+    attrs.add_ints(node, "mask_shape", shape)
+    attrs.add_ints(node, "selective_mask", words)
+    return entry
+
+
+@dataclass
+class SparsityState:
+    masks: dict[str, torch.Tensor | None]  # layer -> the record's mask (restore) or None
+    recorded: dict[str, torch.Tensor] = field(default_factory=dict)  # restore: installed from the record
+    versions: dict[str, int] = field(default_factory=dict)  # mask versions the record describes
+
+
+def _sparsifiers(layers) -> dict:
+    return {n: m.sparsity for n, m in layers.items() if getattr(m, "sparsity", None) is not None}
+
+
+class Sparsity24(Technique):
+    name = "2:4"
+
+    def planned(self, plan: Plan) -> list[LayerPlan]:
+        return plan.nm_pruned()
+
+    def owns(self, entry: PruneRecord) -> bool:
+        return is_mask_entry(entry)
+
+    def plan(self, ctx: Context) -> SparsityState:
+        return SparsityState({lp.name: None for lp in self.planned(ctx.plan)})
+
+    def from_record(self, ctx: Context) -> SparsityState:
+        masks = masks_in_record(ctx.record)
+        return SparsityState({lp.name: masks.get(lp.name) for lp in self.planned(ctx.plan)} | {
+            n: m for n, m in masks.items() if n not in ctx.plan.layers or ctx.plan.layers[n].nm is None})
+
+    def check_restore(self, ctx: Context, state: SparsityState) -> None:
+        planned = {lp.name for lp in self.planned(ctx.plan)}
+        for name in state.masks:
+            if name not in planned:
+                raise ValueError(f"record_file holds a 2:4 mask for layer {name!r}, which the config does not "
+                                 "sparsify in this model (record from another model or config?)")
+        for name, mask in state.masks.items():
+            weight = ctx.model.get_submodule(name).weight
+            if mask is not None and tuple(mask.shape) != tuple(weight.shape):
+                raise ValueError(f"record_file: the 2:4 mask of layer {name!r} has shape {list(mask.shape)} but "
+                                 f"the layer's weight is {list(weight.shape)} (record from another model?)")
+
+    def apply(self, ctx: Context, state: SparsityState) -> None:
+        from openamct.prune.nm import NMSparsifier
+
+        for name, mask in state.masks.items():
+            sp = NMSparsifier.from_module(ctx.model.get_submodule(name), ctx.plan.layers[name].nm.update_freq)
+            if mask is not None:
+                sp.set_mask(mask)
+                state.recorded[name] = mask.bool().clone()
+            ctx.parts_of(name).sparsity = sp
+
+    def to_record(self, state: SparsityState, layers, record: ScaleOffsetRecord) -> None:
+        for name, sp in _sparsifiers(layers).items():
+            if bool(sp.mask_ready):
+                add_mask_entry(record, name, sp.mask)
+
+    def record_due(self, state: SparsityState, layers) -> bool:
+        return any(state.versions.get(n) != sp.version for n, sp in _sparsifiers(layers).items())
+
+    def mark_recorded(self, state: SparsityState, layers) -> None:
+        state.versions = {n: sp.version for n, sp in _sparsifiers(layers).items()}
+
+    def after_checkpoint(self, state: SparsityState, layers) -> None:
+        """Both agree unless masks changed between the checkpoint and the last record write
+        (update_freq > 0): then the checkpoint's masks are kept, because they are the ones its
+        weights and step counter were trained with (an exact resume), and the user is told. The
+        record is not rewritten here: an evaluation script must not touch a live job's record;
+        the resumed job rewrites it at its next mask change or eval forward after training."""
+        sparsifiers = _sparsifiers(layers)
+        differ = [n for n, mask in state.recorded.items() if not torch.equal(sparsifiers[n].mask.bool(), mask)]
+        if differ:
+            logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's (the record was "
+                           "rewritten after this checkpoint, update_freq > 0); using the checkpoint's, which belong "
+                           "to its weights", len(differ), ", ".join(differ[:4]) + (" ..." if len(differ) > 4 else ""))
+        self.mark_recorded(state, layers)
