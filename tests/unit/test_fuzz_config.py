@@ -25,9 +25,9 @@ from openamct import pipeline
 from openamct.config.parse import parse_config_text
 from openamct.config.plan import build_plan
 from openamct.config.source import load_plan
-from openamct.layer_types import FILTER_TYPES, NM_TYPES, QUANT_TYPES
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
+from openamct.layer_types import FILTER_TYPES, NM_TYPES, QUANT_TYPES
 from tests.conftest import COMPAT
 from tests.hang import no_hang
 from tests.models import Net001
