@@ -35,7 +35,6 @@ FP32_EPOCHS = 15  # train_mnist's recipe: 98.4-98.9 % over seeds
 RETRAIN_EPOCHS = 12  # with shifts at 3e-3 the compressed model recovers FP32 accuracy (98.9 % seed 0)
 RETRAIN_LR = 3e-3
 BATCH = 32
-LATENCY_BATCH, LATENCY_RUNS = 64, 100
 INPUT_NAMES, OUTPUT_NAMES = ["input"], ["logits"]
 DYNAMIC_AXES = {"input": {0: "batch"}, "logits": {0: "batch"}}
 EXTRAS = ("mlxtend", "matplotlib")
@@ -172,30 +171,11 @@ def _layers(fp32, model, record: str) -> list[dict]:
     return rows
 
 
-def measure(paths: dict[str, str], macs: dict[str, int], x_te, y_te) -> tuple[list[dict], dict]:
-    import onnxruntime as ort
-
-    from openamct.demo import bench
-
-    sessions = {k: bench.session(p) for k, p in paths.items()}
-    lat = bench.latency_ms(sessions, x_te[:LATENCY_BATCH].numpy(), runs=LATENCY_RUNS)
-    base = next(iter(paths))
-    base_size = os.path.getsize(paths[base])
-    models = []
-    for k, p in paths.items():
-        params, nonzero = bench.weight_counts(p)
-        size = os.path.getsize(p)
-        models.append({"name": k, "file": os.path.basename(p), "accuracy": bench.onnx_accuracy(sessions[k], x_te, y_te),
-                       "size_bytes": size, "params": params, "nonzero": nonzero, "macs": macs[k],
-                       "latency_ms": lat[k], "speedup": lat[base] / lat[k], "smaller": base_size / size})
-    return models, {"batch": LATENCY_BATCH, "runs": LATENCY_RUNS, "threads": bench.THREADS,
-                    "ort_version": ort.__version__}
-
-
 def run(out: str, config: str | None = None, epochs: int | None = None, seed: int = SEED) -> dict:
     """The demo; returns the results dict (also written to ``out``/results.json)."""
     require_extras()
     import openamct as amct
+    from openamct.demo.bench import measure
     from openamct.demo.data import load_mnist_5k
     from openamct.demo.models import MnistNet
     from openamct.demo.report import format_table, markdown_report, render_chart
@@ -267,7 +247,7 @@ def run(out: str, config: str | None = None, epochs: int | None = None, seed: in
     print("\n" + format_table(results) + "\n")
     print(f"deploy vs FP32: {100 * (dep['accuracy'] - fp['accuracy']):+.1f} accuracy points, "
           f"{dep['speedup']:.1f}x faster, {dep['smaller']:.1f}x smaller "
-          f"(latency: batch {LATENCY_BATCH}, {latency['threads']} threads, median of {LATENCY_RUNS})")
+          f"(latency: batch {latency['batch']}, {latency['threads']} threads, median of {latency['runs']})")
     print(f"wrote {out}/report.md, chart.png, results.json and the ONNX files in {timing['total']:.0f} s")
     return results
 
@@ -289,4 +269,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["DemoError", "check_config", "compress", "default_config", "main", "measure", "retrain", "run"]
+__all__ = ["DemoError", "check_config", "compress", "default_config", "main", "retrain", "run"]
