@@ -1,5 +1,7 @@
-"""The demo's and the examples' small CNNs, written by hand (torchvision's wheel does not import
-on this platform). Module names are the ones their configs use.
+"""The demo's CNN, written by hand (torchvision's wheel does not import on this platform).
+
+Module names follow the AMCT configs' convention (``layer1.0`` for a conv, ``layer1.1`` for its
+BN), because users write such names in configs.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DigitsConvMLP", "DigitsNet", "MnistNet"]
+__all__ = ["MnistNet", "conv_bn_relu"]
 
 
-def _conv_bn_relu(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
+def conv_bn_relu(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
         nn.BatchNorm2d(c_out),
@@ -46,11 +48,11 @@ class MnistNet(nn.Module):
         if len(widths) != 4 or any(int(w) < 1 for w in widths):
             raise ValueError(f"widths must be 4 positive ints, got {widths!r}")
         w1, w2, w3, w4 = (int(w) for w in widths)
-        self.layer1 = _conv_bn_relu(1, w1)
-        self.layer2 = _conv_bn_relu(w1, w2)
+        self.layer1 = conv_bn_relu(1, w1)
+        self.layer2 = conv_bn_relu(w1, w2)
         self.maxpool = nn.MaxPool2d(2)
-        self.layer3 = _conv_bn_relu(w2, w3)
-        self.layer4 = _conv_bn_relu(w3, w4, stride=2)
+        self.layer3 = conv_bn_relu(w2, w3)
+        self.layer4 = conv_bn_relu(w3, w4, stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.flatten = nn.Flatten(1)
         self.fc = nn.Linear(w4, num_classes)
@@ -59,39 +61,3 @@ class MnistNet(nn.Module):
         x = self.maxpool(self.layer2(self.layer1(x)))
         x = self.layer4(self.layer3(x))
         return self.fc(self.flatten(self.avgpool(x)))
-
-
-class DigitsNet(nn.Module):
-    """The examples' CNN for scikit-learn's 1 x 8 x 8 digits -> 10 logits (a few seconds an epoch).
-
-    Convs are ``conv1.0``, ``conv2.0``, ``conv3.0`` (each followed by its BN and ReLU), the
-    classifier is ``head.2``: the names the configs in ``examples/`` use.
-    """
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.conv1 = _conv_bn_relu(1, 32)
-        self.conv2 = _conv_bn_relu(32, 64)
-        self.pool = nn.MaxPool2d(2)
-        self.conv3 = _conv_bn_relu(64, 64)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.conv3(self.pool(self.conv2(self.conv1(x)))))
-
-
-class DigitsConvMLP(nn.Module):
-    """The DDP example's and test's net for 1 x 8 x 8 digits: two conv-BN-ReLU (``conv1.0``,
-    ``conv2.0``), 2 x 2 average pooling, then two Linear (``fc1``, ``fc2``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
-        self.conv2 = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
-        self.pool = nn.AdaptiveAvgPool2d(2)
-        self.fc1 = nn.Linear(128, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(self.conv2(self.conv1(x))).flatten(1)
-        return self.fc2(torch.relu(self.fc1(x)))
