@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="compress a real MNIST CNN end to end and report")
     d.add_argument("--out", default="demo-out", help="folder for ONNX files, report.md and the chart")
-    d.add_argument("--config", default=None, help="retrain config (.cfg); default: examples/demo.cfg")
+    d.add_argument("--config", default=None, help="retrain config (.cfg); default: demo.cfg of openamct.demo")
     d.add_argument("--epochs", type=int, default=None, help="epochs for FP32 training and for retraining (default: 15 and 12)")
     d.set_defaults(func=cmd_demo)
 

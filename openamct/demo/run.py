@@ -1,7 +1,7 @@
 """``openamct demo``: compress a real MNIST CNN end to end, the way an AMCT user writes it.
 
 1. Train ``MnistNet`` in FP32 on the 4,000 training digits of MNIST 5k (``train_mnist``).
-2. ``create_compressed_retrain_model`` with ``examples/demo.cfg`` (filter pruning + 2:4 + INT8),
+2. ``create_compressed_retrain_model`` with ``demo.cfg`` (filter pruning + 2:4 + INT8; next to this module),
    retrain; halfway, save a checkpoint (weights, optimizer state, step) and throw the model
    away; ``restore_compressed_retrain_model`` from the original FP32 model, the record and the
    checkpoint; finish; ``save_compressed_retrain_model``.
@@ -50,13 +50,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 def default_config() -> str:
-    """``examples/demo.cfg`` of the source tree (editable installs, a clone), else the copy
-    packaged next to this module."""
-    here = Path(__file__).resolve().parent
-    for path in (here.parents[1] / "examples" / "demo.cfg", here / "demo.cfg"):
-        if path.is_file():
-            return str(path)
-    raise DemoError("no default config found (examples/demo.cfg): pass --config path/to/config.cfg")
+    """The ``demo.cfg`` packaged next to this module."""
+    path = Path(__file__).resolve().with_name("demo.cfg")
+    if not path.is_file():
+        raise DemoError(f"no default config found ({path}): pass --config path/to/config.cfg")
+    return str(path)
 
 
 def require_extras() -> None:
