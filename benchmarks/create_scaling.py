@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import openamct as amct  # noqa: E402
+from benchmarks.models import resnet_with_conv_layers  # noqa: E402
 from openamct import pipeline  # noqa: E402
-from openamct.demo.models import resnet_with_conv_layers  # noqa: E402
 
 UPSTREAM_QUANT = {18: 0.2, 66: 0.9, 258: 5.8}  # s, create_compressed_retrain_model, quant-only config
 UPSTREAM_PRUNE = {66: 0.96, 258: 10.8}  # s, with a filter-pruning config

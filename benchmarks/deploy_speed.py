@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import openamct as amct  # noqa: E402
-from openamct.demo.models import mlp, resnet18  # noqa: E402
+from benchmarks.models import mlp, resnet18  # noqa: E402
 
 THREADS = 2
 BLOCK = 5

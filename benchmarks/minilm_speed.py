@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import openamct as amct  # noqa: E402
-from openamct.demo import minilm  # noqa: E402
+from examples import minilm_helpers as minilm  # noqa: E402
 from openamct.export.writer import export_onnx, write_onnx  # noqa: E402
 
 NAMES = ["input_ids", "attention_mask"]

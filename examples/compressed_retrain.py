@@ -11,14 +11,16 @@ With AMCT, only the import line differs (``import amct_pytorch as amct``).
 
 import argparse
 import os
+import sys
 
 import torch
 
-import openamct as amct
-from openamct.demo import bench
-from openamct.demo.data import load_digits
-from openamct.demo.models import DigitsNet
-from openamct.demo.train import evaluate, train_epochs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.* importable
+
+import openamct as amct  # noqa: E402
+from examples.digits import DigitsNet, load_digits  # noqa: E402
+from openamct.demo import bench  # noqa: E402
+from openamct.demo.train import evaluate, train_epochs  # noqa: E402
 
 # INT8 activations (learned clips) and per-channel INT8 weights everywhere; conv2 loses half its
 # output channels, the other layers get 2:4 sparsity (a layer takes the override or the global).

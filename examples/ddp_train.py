@@ -20,6 +20,7 @@ import argparse
 import gc
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import openamct as amct
-from openamct.demo.data import load_digits
-from openamct.demo.models import DigitsConvMLP
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.* importable
+
+import openamct as amct  # noqa: E402
+from examples.digits import DigitsConvMLP, load_digits  # noqa: E402
 
 CONFIG = """# INT8 activations (learned clips) and weights, 2:4 sparsity re-decided every 2 steps
 retrain_data_quant_config { ulq_quantize { } }

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import openamct as amct  # noqa: E402
-from openamct.demo import minilm  # noqa: E402
+from examples import minilm_helpers as minilm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"int8": os.path.join(HERE, "minilm_int8.cfg"),

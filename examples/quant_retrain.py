@@ -10,14 +10,16 @@ With AMCT, only the import line differs (``import amct_pytorch as amct``).
 
 import argparse
 import os
+import sys
 
 import torch
 
-import openamct as amct
-from openamct.demo import bench
-from openamct.demo.data import load_digits
-from openamct.demo.models import DigitsNet
-from openamct.demo.train import evaluate, train_epochs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.* importable
+
+import openamct as amct  # noqa: E402
+from examples.digits import DigitsNet, load_digits  # noqa: E402
+from openamct.demo import bench  # noqa: E402
+from openamct.demo.train import evaluate, train_epochs  # noqa: E402
 
 # Optional: a retrain .cfg steering the generated JSON (here: keep the classifier in float).
 # Without it, create_quant_retrain_config quantizes every supported layer with the defaults.

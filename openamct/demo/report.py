@@ -1,5 +1,5 @@
 """The demo's outputs from one ``results`` dict (the same one written to ``results.json``): the
-printed table, ``report.md`` and the PNG chart. Everything shown is formatted here, once, so the
+table and summary ``openamct demo`` prints, ``report.md`` and the PNG chart. Everything shown is formatted here, once, so the
 terminal, the markdown and the chart cannot disagree.
 """
 
@@ -9,7 +9,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEADER", "table_cells", "format_table", "markdown_report", "render_chart"]
+__all__ = ["HEADER", "table_cells", "format_table", "format_summary", "markdown_report", "render_chart"]
 
 HEADER = ("model", "file", "accuracy", "size", "params", "non-zero", "MACs", "latency", "speed-up",
           "smaller")
@@ -34,6 +34,19 @@ def format_table(results: dict) -> str:
     lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths, strict=True)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_summary(results: dict, out: str) -> str:
+    """The table, deploy against FP32 in one line, and where the files went."""
+    fp, dep, lat = results["models"][0], results["models"][-1], results["latency"]
+    return "\n".join([
+        "", format_table(results), "",
+        f"deploy vs FP32: {100 * (dep['accuracy'] - fp['accuracy']):+.1f} accuracy points, "
+        f"{dep['speedup']:.1f}x faster, {dep['smaller']:.1f}x smaller "
+        f"(latency: batch {lat['batch']}, {lat['threads']} threads, median of {lat['runs']})",
+        f"wrote {out}/report.md, chart.png, results.json and the ONNX files in "
+        f"{results['timing_s']['total']:.0f} s",
+    ])
 
 
 def _md_table(rows: list[list[str]]) -> list[str]:

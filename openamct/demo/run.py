@@ -1,12 +1,15 @@
 """``openamct demo``: compress a real MNIST CNN end to end, the way an AMCT user writes it.
 
 1. Train ``MnistNet`` in FP32 on the 4,000 training digits of MNIST 5k (``train_mnist``).
-2. ``create_compressed_retrain_model`` with ``examples/demo.cfg`` (filter pruning + 2:4 + INT8),
+2. ``create_compressed_retrain_model`` with ``demo.cfg`` (filter pruning + 2:4 + INT8; next to this module),
    retrain; halfway, save a checkpoint (weights, optimizer state, step) and throw the model
    away; ``restore_compressed_retrain_model`` from the original FP32 model, the record and the
    checkpoint; finish; ``save_compressed_retrain_model``.
 3. Run the FP32, fake-quant and deploy ONNX files in ONNX Runtime on the 1,000 test digits;
-   print a table, write ``report.md``, ``results.json`` and ``chart.png`` into ``--out``.
+   write ``report.md``, ``results.json`` and ``chart.png`` into ``--out``.
+
+``run`` returns the results and logs its progress (logger ``openamct.demo.run``, INFO); the
+``openamct demo`` command shows those lines and prints the table.
 
 Retraining is a function of the step alone (epoch ``e`` shuffles with ``seed + e``, the shift
 augmentation of step ``s`` uses a generator seeded from ``s``, the learning rate is the cosine
@@ -19,11 +22,12 @@ made a training epoch 13x slower (threads spin waiting for a core), one thread n
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -35,11 +39,12 @@ FP32_EPOCHS = 15  # train_mnist's recipe: 98.4-98.9 % over seeds
 RETRAIN_EPOCHS = 12  # with shifts at 3e-3 the compressed model recovers FP32 accuracy (98.9 % seed 0)
 RETRAIN_LR = 3e-3
 BATCH = 32
-LATENCY_BATCH, LATENCY_RUNS = 64, 100
 INPUT_NAMES, OUTPUT_NAMES = ["input"], ["logits"]
 DYNAMIC_AXES = {"input": {0: "batch"}, "logits": {0: "batch"}}
 EXTRAS = ("mlxtend", "matplotlib")
 PREFIX = "mnist"
+
+logger = logging.getLogger(__name__)
 
 
 class DemoError(Exception):
@@ -51,13 +56,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 def default_config() -> str:
-    """``examples/demo.cfg`` of the source tree (editable installs, a clone), else the copy
-    packaged next to this module."""
-    here = Path(__file__).resolve().parent
-    for path in (here.parents[1] / "examples" / "demo.cfg", here / "demo.cfg"):
-        if path.is_file():
-            return str(path)
-    raise DemoError("no default config found (examples/demo.cfg): pass --config path/to/config.cfg")
+    """The ``demo.cfg`` packaged next to this module."""
+    path = Path(__file__).resolve().with_name("demo.cfg")
+    if not path.is_file():
+        raise DemoError(f"no default config found ({path}): pass --config path/to/config.cfg")
+    return str(path)
 
 
 def require_extras() -> None:
@@ -172,68 +175,67 @@ def _layers(fp32, model, record: str) -> list[dict]:
     return rows
 
 
-def measure(paths: dict[str, str], macs: dict[str, int], x_te, y_te) -> tuple[list[dict], dict]:
-    import onnxruntime as ort
-
-    from openamct.demo import bench
-
-    sessions = {k: bench.session(p) for k, p in paths.items()}
-    lat = bench.latency_ms(sessions, x_te[:LATENCY_BATCH].numpy(), runs=LATENCY_RUNS)
-    base = next(iter(paths))
-    base_size = os.path.getsize(paths[base])
-    models = []
-    for k, p in paths.items():
-        params, nonzero = bench.weight_counts(p)
-        size = os.path.getsize(p)
-        models.append({"name": k, "file": os.path.basename(p), "accuracy": bench.onnx_accuracy(sessions[k], x_te, y_te),
-                       "size_bytes": size, "params": params, "nonzero": nonzero, "macs": macs[k],
-                       "latency_ms": lat[k], "speedup": lat[base] / lat[k], "smaller": base_size / size})
-    return models, {"batch": LATENCY_BATCH, "runs": LATENCY_RUNS, "threads": bench.THREADS,
-                    "ort_version": ort.__version__}
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # Denormals in small CNNs' activations and gradients slowed training 10-100x here.
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)  # torch's default; run() may run inside a test process
 
 
 def run(out: str, config: str | None = None, epochs: int | None = None, seed: int = SEED) -> dict:
-    """The demo; returns the results dict (also written to ``out``/results.json)."""
+    """The demo; returns the results dict (also written to ``out``/results.json). Raises
+    :class:`DemoError` for what the user fixes."""
     require_extras()
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise DemoError(f"--epochs must be a positive int, got {epochs!r}")
+    with _one_thread():
+        return _run(out, config or default_config(), epochs, seed)
+
+
+def _run(out: str, config: str, epochs: int | None, seed: int) -> dict:
     import openamct as amct
+    from openamct.demo.bench import measure
     from openamct.demo.data import load_mnist_5k
     from openamct.demo.models import MnistNet
-    from openamct.demo.report import format_table, markdown_report, render_chart
+    from openamct.demo.report import markdown_report, render_chart
     from openamct.demo.train import evaluate, train_mnist
     from openamct.export.writer import export_onnx, write_onnx
     from openamct.inspection import format_inspection
     from openamct.stats import count_macs
 
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-        raise DemoError(f"--epochs must be a positive int, got {epochs!r}")
     fp32_epochs, retrain_epochs = (epochs, epochs) if epochs else (FP32_EPOCHS, RETRAIN_EPOCHS)
-    config = config or default_config()
     t_start, timing = time.perf_counter(), {}
     data = load_mnist_5k(seed=seed)
     x_tr, y_tr, x_te, y_te = data
-    print(f"openamct demo: config {config}\n" + format_inspection(check_config(config, x_tr[:1])) + "\n")
+    logger.info("openamct demo: config %s\n%s\n", config, format_inspection(check_config(config, x_tr[:1])))
     os.makedirs(out, exist_ok=True)
 
     t = time.perf_counter()
     torch.manual_seed(seed)
     fp32 = MnistNet()
-    print(f"[1/4] FP32 training, {fp32_epochs} epochs on {len(x_tr)} digits")
+    logger.info("[1/4] FP32 training, %d epochs on %d digits", fp32_epochs, len(x_tr))
     train_mnist(fp32, x_tr, y_tr, epochs=fp32_epochs, seed=seed)
     fp32.eval()
     timing["fp32 training"] = time.perf_counter() - t
     acc_fp32 = evaluate(fp32, x_te, y_te)
-    print(f"      FP32 test accuracy {100 * acc_fp32:.1f} % ({timing['fp32 training']:.0f} s)")
+    logger.info("      FP32 test accuracy %.1f %% (%.0f s)", 100 * acc_fp32, timing["fp32 training"])
 
     t = time.perf_counter()
-    print(f"[2/4] compress + retrain {retrain_epochs} epochs (interrupted halfway, restored, finished)")
+    logger.info("[2/4] compress + retrain %d epochs (interrupted halfway, restored, finished)", retrain_epochs)
     model, resumed = compress(fp32, data, config, out, retrain_epochs, interrupt=True, seed=seed)
     timing["compressed retraining"] = time.perf_counter() - t
     acc_c = evaluate(model, x_te, y_te)  # the first eval forward also writes the scales to the record
-    print(f"      checkpoint at step {resumed}, restored, finished: test accuracy {100 * acc_c:.1f} % "
-          f"({timing['compressed retraining']:.0f} s)")
+    logger.info("      checkpoint at step %d, restored, finished: test accuracy %.1f %% (%.0f s)",
+                resumed, 100 * acc_c, timing["compressed retraining"])
 
     t = time.perf_counter()
-    print("[3/4] saving ONNX files")
+    logger.info("[3/4] saving ONNX files")
     acc_torch = {"fp32": acc_fp32, "compressed": acc_c}
     base = os.path.join(out, PREFIX)
     write_onnx(export_onnx(fp32, x_tr[:1], INPUT_NAMES, OUTPUT_NAMES, DYNAMIC_AXES), f"{base}_fp32_model.onnx")
@@ -242,7 +244,7 @@ def run(out: str, config: str | None = None, epochs: int | None = None, seed: in
     timing["export"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    print("[4/4] ONNX Runtime: accuracy on the test digits, latency")
+    logger.info("[4/4] ONNX Runtime: accuracy on the test digits, latency")
     paths = {"FP32": f"{base}_fp32_model.onnx", "fake-quant": f"{base}_fake_quant_model.onnx",
              "deploy": f"{base}_deploy_model.onnx"}
     macs_fp32, macs_c = count_macs(fp32, x_tr[:1]), count_macs(model, x_tr[:1])
@@ -263,30 +265,7 @@ def run(out: str, config: str | None = None, epochs: int | None = None, seed: in
         f.write(markdown_report(results, "chart.png"))
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
-    fp, dep = models[0], models[-1]
-    print("\n" + format_table(results) + "\n")
-    print(f"deploy vs FP32: {100 * (dep['accuracy'] - fp['accuracy']):+.1f} accuracy points, "
-          f"{dep['speedup']:.1f}x faster, {dep['smaller']:.1f}x smaller "
-          f"(latency: batch {LATENCY_BATCH}, {latency['threads']} threads, median of {LATENCY_RUNS})")
-    print(f"wrote {out}/report.md, chart.png, results.json and the ONNX files in {timing['total']:.0f} s")
     return results
 
 
-def main(args) -> int:
-    """Entry point of ``openamct demo`` (``args``: out, config, epochs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    # Denormals in small CNNs' activations and gradients slowed training 10-100x here.
-    torch.set_flush_denormal(True)
-    try:
-        run(args.out, args.config, args.epochs)
-    except DemoError as exc:
-        print(f"openamct demo: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_flush_denormal(False)  # torch's default; main() may run inside a test process
-    return 0
-
-
-__all__ = ["DemoError", "check_config", "compress", "default_config", "main", "measure", "retrain", "run"]
+__all__ = ["DemoError", "check_config", "compress", "default_config", "retrain", "run"]

@@ -5,30 +5,17 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
-import time
 
 import numpy as np
+
+from openamct.export.ort_session import THREADS, latency_ms, session
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["verify_pair", "format_verification"]
 
-THREADS = 2
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
-
-
-def _session(path: str):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = THREADS
-    so.inter_op_num_threads = 1
-    try:
-        return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
-        raise ValueError(f"{path}: ONNX Runtime cannot load it: {exc}") from exc
 
 
 def _feeds(sess, input_shape: tuple[int, ...], batch: int | None, seed: int) -> dict[str, np.ndarray]:
@@ -83,7 +70,7 @@ def verify_pair(fake_path: str, deploy_path: str, input_shape, batch: int | None
         raise ValueError(f"batch: expected a positive int, got {batch!r}")
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs: expected an int >= 1, got {runs!r}")
-    fake, deploy = _session(fake_path), _session(deploy_path)
+    fake, deploy = session(fake_path), session(deploy_path)
     names = [i.name for i in fake.get_inputs()]
     if names != [i.name for i in deploy.get_inputs()]:
         raise ValueError(f"the two models take different inputs: {names} vs "
@@ -99,15 +86,9 @@ def verify_pair(fake_path: str, deploy_path: str, input_shape, batch: int | None
         if a.shape != b.shape:
             raise ValueError(f"output {meta.name!r}: shapes differ, {list(a.shape)} vs {list(b.shape)}")
         outputs.append({"name": meta.name, "shape": list(a.shape), **_agreement(a, b)})
-    times: dict[str, list[float]] = {"fake": [], "deploy": []}
-    for r in range(runs):  # interleaved, order alternating
-        for key in (("fake", "deploy") if r % 2 == 0 else ("deploy", "fake")):
-            sess = fake if key == "fake" else deploy
-            t0 = time.perf_counter()
-            sess.run(None, feeds)
-            times[key].append(time.perf_counter() - t0)
-    fake_ms = statistics.median(times["fake"]) * 1e3
-    deploy_ms = statistics.median(times["deploy"]) * 1e3
+    # No warm-up: the agreement run above was each session's first run.
+    lat = latency_ms({"fake": fake, "deploy": deploy}, feeds, runs=runs, warmup=0)
+    fake_ms, deploy_ms = lat["fake"], lat["deploy"]
     result = {"inputs": {k: list(v.shape) for k, v in feeds.items()}, "outputs": outputs,
               "fake_ms": fake_ms, "deploy_ms": deploy_ms,
               "speedup": fake_ms / deploy_ms if deploy_ms > 0 else float("inf"), "runs": runs}

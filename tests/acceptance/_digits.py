@@ -8,7 +8,7 @@ import functools
 import torch
 from torch import nn
 
-from openamct.demo.data import load_digits
+from examples.digits import load_digits
 from openamct.demo.train import evaluate, train_epochs
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from openamct.demo.models import DigitsConvMLP
+from examples.digits import DigitsConvMLP
 
 QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 2 } } }\n"
@@ -169,7 +169,7 @@ def train_digits(rank: int = 0, world: int = 1, wrap: bool = False, epochs: int 
     """QAT on the digits from one FP32 init; each global batch of GLOBAL_BATCH is split over
     the ranks. Returns the test accuracy (on every rank)."""
     import openamct as amct
-    from openamct.demo.data import load_digits
+    from examples.digits import load_digits
 
     x_tr, y_tr, x_te, y_te = load_digits()
     cfg = os.path.join(workdir, "digits.cfg")

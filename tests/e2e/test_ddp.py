@@ -110,7 +110,7 @@ def test_writing_the_record_does_not_step_the_2_4_schedule(tmp_path):
     """Single-process root cause of the DDP divergence above: 6 training forwards must leave
     the sparsifier's step counter at 6 however often the record is rewritten in between."""
     import openamct as amct
-    from openamct.demo.models import DigitsConvMLP
+    from examples.digits import DigitsConvMLP
     from tests.e2e._ddp_worker import NM, QUANT
 
     cfg = tmp_path / "c.cfg"

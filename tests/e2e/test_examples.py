@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from openamct.demo.data import load_digits
+from examples.digits import load_digits
 from openamct.record.io import read_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -29,7 +29,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from openamct.demo import minilm
+from examples import minilm_helpers as minilm
 
 try:
     minilm.require_examples()

