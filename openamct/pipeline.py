@@ -23,7 +23,7 @@ from openamct.graph.capture import capture_graph
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
 from openamct.module_tree import set_module
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 from openamct.record.keeper import RecordKeeper
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques import TECHNIQUES, Context, Technique

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from openamct.record import attrs
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
 
 

@@ -41,18 +41,11 @@ def validate_fields(cfg: AMCTRetrainConfig, text: str = "", src: str = "config")
     """Raise ConfigError for the first out-of-range or incomplete field."""
     if cfg.batch_num < 1:
         raise ConfigError(f"{src}: {locate(text, 'batch_num')}batch_num must be >= 1, got {cfg.batch_num}")
-    seen_layers: set[str] = set()
-    for o in cfg.override_layer_configs:
-        if o.layer_name in seen_layers:
-            raise ConfigError(f"{src}: override_layer_configs: layer {o.layer_name!r} is overridden twice; "
-                              "merge the two blocks into one")
-        seen_layers.add(o.layer_name)
-    seen_types: set[str] = set()
-    for o in cfg.override_layer_types:
-        if o.layer_type in seen_types:
-            raise ConfigError(f"{src}: override_layer_types: type {o.layer_type!r} is overridden twice; "
-                              "merge the two blocks into one")
-        seen_types.add(o.layer_type)
+    for field, what, keys in (("override_layer_configs", "layer", [o.layer_name for o in cfg.override_layer_configs]),
+                              ("override_layer_types", "type", [o.layer_type for o in cfg.override_layer_types])):
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise ConfigError(f"{src}: {field}: {what} {twice!r} is overridden twice; merge the two blocks into one")
     for where, b in blocks(cfg):
         if b.HasField("retrain_data_quant_config"):
             d = b.retrain_data_quant_config

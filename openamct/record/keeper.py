@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from openamct.record.io import write_record
+from openamct.record.file_io import write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import openamct as amct
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 from tests.acceptance._digits import digits_data, retrain, trained_fp32
 from tests.acceptance.conftest import INT8_CFG as INT8
 from tests.acceptance.conftest import int8_initializers, ort_run

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.e2e._ddp_worker import train_digits
 

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from examples.digits import load_digits
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = ["prune_retrain.py", "compressed_retrain.py", "quant_retrain.py"]

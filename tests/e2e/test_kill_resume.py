@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import openamct as amct
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.e2e._kill_worker import CFG, CKPT, JOURNAL, RECORD, KillNet, data
 

@@ -47,7 +47,7 @@ def _model() -> MnistNet:
 def _pin_data_dependent_state(model: torch.nn.Module) -> None:
     """Fixed clips and output ranges in place of the ones the calibration forward found."""
     with torch.no_grad():
-        for i, (name, m) in enumerate(sorted(model.named_modules(), key=lambda kv: kv[0])):
+        for i, (_, m) in enumerate(sorted(model.named_modules(), key=lambda kv: kv[0])):
             kind = type(m).__name__
             if kind == "ActULQ":
                 m.clip_max.fill_(2.0 + 0.25 * i)

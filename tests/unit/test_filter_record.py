@@ -16,7 +16,7 @@ from openamct.prune.dependency import analyse
 from openamct.prune.filter import apply_removal, score_and_select
 from openamct.prune.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
-from openamct.record.io import read_record, write_record
+from openamct.record.file_io import read_record, write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from tests.conftest import COMPAT
 from tests.models import INPUT_SHAPES, MobileNetV2Tiny, UNetTiny

@@ -22,7 +22,7 @@ from torch import nn
 
 import openamct as amct
 from openamct.prune.filter_record import groups_from_records
-from openamct.record.io import read_record, record_to_text
+from openamct.record.file_io import read_record, record_to_text
 from openamct.record.scale_offset_record_pb2 import AttrType, ScaleOffsetRecord
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import COMPAT

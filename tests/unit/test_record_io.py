@@ -6,7 +6,7 @@ import os
 import pytest
 
 from openamct.record import attrs
-from openamct.record.io import read_record, write_record
+from openamct.record.file_io import read_record, write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from tests.conftest import COMPAT
 

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 from openamct import pipeline
 from openamct.demo.models import MnistNet
-from openamct.record.io import read_record
+from openamct.record.file_io import read_record
 from openamct.techniques import TECHNIQUES
 from tests.techniques.zero_smallest import ZeroSmallest
 from tests.training import sgd_steps
