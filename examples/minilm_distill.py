@@ -38,6 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import onnxruntime as ort
 import torch
 
+from openamct.compressed.layer import CompressedLayer
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import openamct as amct  # noqa: E402
@@ -64,7 +66,7 @@ def run_config(name: str, steps: int, lr: float, args, teacher, tok, train, held
     student = amct.create_compressed_retrain_model(teacher, sample, CONFIGS[name], record)
     with torch.no_grad():
         student.eval()(**sample)  # clips from real sentences; 2:4 masks from |w|
-    n_layers = sum(1 for m in student.modules() if type(m).__name__ == "CompressedLayer")
+    n_layers = sum(1 for m in student.modules() if isinstance(m, CompressedLayer))
     print(f"[{name}] {n_layers} compressed layers, created + initialised in {time.perf_counter() - t:.0f} s")
     out["before"] = minilm.compare(ref, minilm.embed(student, tok, held))
     print(f"[{name}] before distillation: {fmt(out['before'])}")

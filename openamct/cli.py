@@ -43,14 +43,45 @@ def _print_result(command: str, compute, errors: tuple[type[BaseException], ...]
     return 0
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
+
+
+def _named_input(text: str) -> tuple[str, str, tuple[int, ...]]:
+    """``name:dtype:shape``, e.g. ``input_ids:int64:1,128``."""
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0] or parts[1] not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"--input must be name:dtype:shape with dtype one of {', '.join(_DTYPES)}, "
+                                         f"e.g. input_ids:int64:1,128; got {text!r}")
+    return parts[0], parts[1], _shape(parts[2])
+
+
+def _example_inputs(args: argparse.Namespace, returned):
+    """The model and its example inputs: from the factory's (model, inputs), from --input
+    (floats ~ N(0, 1); integers and booleans 1, valid as token ids and attention masks) or
+    from --input-shape (one float tensor)."""
     import torch
 
+    model, inputs = (returned if isinstance(returned, tuple) and len(returned) == 2 else (returned, None))
+    given = sum(x is not None and x != [] for x in (inputs, args.input, args.input_shape))
+    if given != 1:
+        raise SystemExit("openamct inspect: give the example inputs one way: --input-shape, --input (repeatable), "
+                         "or a --model factory that returns (model, example_inputs)")
+    torch.manual_seed(0)
+    if args.input_shape:
+        return model, torch.randn(*args.input_shape)
+    if args.input:
+        feeds = {}
+        for name, dtype, shape in args.input:
+            dt = getattr(torch, dtype)
+            feeds[name] = torch.randn(*shape).to(dt) if dt.is_floating_point else torch.ones(*shape, dtype=dt)
+        return model, feeds
+    return model, inputs
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
     from openamct.inspection import format_inspection, inspect_model
 
-    model = _load_factory(args.model)()
-    torch.manual_seed(0)
-    x = torch.randn(*args.input_shape)
+    model, x = _example_inputs(args, _load_factory(args.model)())
     return _print_result("inspect", lambda: inspect_model(model, x, args.config, args.api),
                          (ValueError, TypeError), format_inspection)
 
@@ -111,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     i = sub.add_parser("inspect", help="show the per-layer plan of a config for a model")
-    i.add_argument("--model", required=True, help="package.module:factory returning the model")
-    i.add_argument("--input-shape", required=True, type=_shape, help="e.g. 1,3,224,224")
+    i.add_argument("--model", required=True,
+                   help="package.module:factory returning the model, or (model, example_inputs)")
+    i.add_argument("--input-shape", type=_shape, help="one float input, e.g. 1,3,224,224")
+    i.add_argument("--input", action="append", type=_named_input, default=[],
+                   help="a keyword input name:dtype:shape (repeatable), e.g. input_ids:int64:1,128")
     i.add_argument("--config", required=True, help="retrain config (.cfg)")
     i.add_argument("--api", choices=("prune", "compressed", "quant"), default="compressed")
     i.set_defaults(func=cmd_inspect)

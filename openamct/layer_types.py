@@ -16,7 +16,7 @@ from torch import nn
 @dataclass(frozen=True)
 class LayerType:
     name: str  # the config spelling: the torch class name
-    cls: type[nn.Module]
+    cls: type[nn.Module] | None  # None: matched by class name in a package (not imported here)
     op_type: str  # the ONNX op it exports as (record files name members by it)
     spatial: int  # 0 for Linear
     transposed: bool  # weight [Cin, Cout/groups, ...] instead of [Cout, Cin/groups, ...]
@@ -33,6 +33,18 @@ class LayerType:
     def out_axis(self) -> int:
         return 1 if self.transposed else 0
 
+    @property
+    def matrix(self) -> bool:
+        """A matrix layer (Linear-like: features on the last axis of its input)."""
+        return self.spatial == 0
+
+    def matches(self, cls: type) -> bool:
+        if self.cls is not None:
+            return issubclass(cls, self.cls)
+        return any(c.__name__ == self.name and c.__module__.startswith(self.package) for c in cls.__mro__)
+
+    package: str = ""  # where a class matched by name lives
+
 
 LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
     LayerType("Conv1d", nn.Conv1d, "Conv", 1, False, quant=True, nm=False, filter="consumer"),
@@ -43,6 +55,8 @@ LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
     LayerType("ConvTranspose2d", nn.ConvTranspose2d, "ConvTranspose", 2, True, quant=True, nm=True,
               filter="consumer"),
     LayerType("Linear", nn.Linear, "Gemm", 0, False, quant=True, nm=True, filter="active"),
+    # Hugging Face's GPT-2 style projection: a Linear whose weight is stored [in, out].
+    LayerType("Conv1D", None, "Gemm", 0, True, quant=True, nm=True, filter="active", package="transformers"),
 )}
 
 QUANT_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.quant)
@@ -58,13 +72,21 @@ CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 def layer_type_of(module: nn.Module) -> LayerType | None:
     """The table row of ``module`` (exact class first, then the first base class), or None."""
-    exact = LAYER_TYPES.get(type(module).__name__)
-    if exact is not None and type(module) is exact.cls:
+    cls = getattr(type(module), "_layer_cls", type(module))  # a compressed layer: what it was
+    exact = LAYER_TYPES.get(cls.__name__)
+    if exact is not None and (cls is exact.cls or (exact.cls is None and exact.matches(cls))):
         return exact
     for t in LAYER_TYPES.values():
-        if isinstance(module, t.cls):
+        if t.matches(cls):
             return t
     return None
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a matrix layer (Linear or Conv1D)."""
+    row = layer_type_of(module)
+    w = module.weight
+    return int(w.shape[row.in_axis]), int(w.shape[row.out_axis])
 
 
 def is_depthwise(module: nn.Module) -> bool:

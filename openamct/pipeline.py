@@ -22,6 +22,7 @@ from openamct.config.specs import Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
+from openamct.graph.parametrized import evaluate_parametrizations
 from openamct.module_tree import set_module
 from openamct.record.file_io import read_record
 from openamct.record.keeper import RecordKeeper
@@ -45,6 +46,7 @@ class Analysis:
 def analyse(model: nn.Module, input_data: Any, config: str | None, api: str,
             config_arg: str = "config_defination") -> Analysis:
     """Capture + plan on ``model`` itself (callers pass a copy when they will edit it)."""
+    evaluate_parametrizations(model)
     graph = capture_graph(model, input_data)
     layers = find_layers(model, graph)
     modules = {n: type(m).__name__ for n, m in model.named_modules()}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from openamct.graph.capture import split_input_data
+from openamct.layer_types import features, layer_type_of
 
 
 def count_params(model: nn.Module) -> int:
@@ -23,16 +24,15 @@ def count_macs(model: nn.Module, input_data: Any) -> int:
         w = getattr(module, "weight", None)
         if w is None or not isinstance(output, torch.Tensor):
             return
-        if isinstance(module, nn.Linear) or type(module).__name__ == "CompressedLayer" and w.dim() == 2:
-            total += output.numel() * w.shape[1]
-        elif isinstance(module, (nn.modules.conv._ConvNd,)) or type(module).__name__ == "CompressedLayer":
-            if getattr(module, "transposed", False):
-                total += inputs[0].numel() * w[0].numel()
-            else:
-                total += output.numel() * w[0].numel()
+        row = layer_type_of(module)
+        if row.matrix:
+            total += output.numel() * features(module)[0]
+        elif row.transposed:
+            total += inputs[0].numel() * w[0].numel()
+        else:
+            total += output.numel() * w[0].numel()
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) or type(m).__name__ == "CompressedLayer"]
+    handles = [m.register_forward_hook(hook) for m in model.modules() if layer_type_of(m) is not None]
     was_training = model.training
     args, kwargs = split_input_data(input_data)
     try:

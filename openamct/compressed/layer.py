@@ -21,8 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.clip_grad import input_clip_grad
-from openamct.compressed.ops import WeightOp, op_kind
+from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
+from openamct.layer_types import features, layer_type_of
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
 from openamct.quant.functions import graph_mode, ulq_qparams_float
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
@@ -46,7 +47,7 @@ class CompressedLayer(WeightOp):
 
     def __init__(self, kind: str, spatial: int, weight: nn.Parameter, bias: nn.Parameter | None,
                  hyper: dict) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not the layer class's: see ops.as_layer_class
         self.kind, self.spatial = kind, spatial
         self.weight = weight
         self.register_parameter("bias", bias)
@@ -75,13 +76,12 @@ class CompressedLayer(WeightOp):
         if not isinstance(parts.observe_output, bool):
             raise TypeError(f"observe_output: expected a bool, got {type(parts.observe_output).__name__}")
         what = f"{type(module).__name__}"
-        if kind == "linear":
-            hyper = {"in_features": module.in_features, "out_features": module.out_features}
-            out_ch, axis, groups = module.out_features, 0, 1
+        row = layer_type_of(module)
+        hyper = public_attrs(module)  # what the code around the layer may read stays readable
+        if row.matrix:
+            hyper["in_features"], hyper["out_features"] = features(module)
+            out_ch, axis, groups = hyper["out_features"], row.out_axis, 1
         else:
-            hyper = {k: getattr(module, k) for k in (
-                "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
-                "groups", "padding_mode", "output_padding", "transposed")}
             hyper["_reversed_padding_repeated_twice"] = list(module._reversed_padding_repeated_twice)
             out_ch, groups = module.out_channels, module.groups
             axis = 1 if module.transposed else 0
@@ -90,7 +90,7 @@ class CompressedLayer(WeightOp):
         bn = parts.bn
         if bn is not None:
             check_foldable(bn, out_ch, what)
-        layer = cls(kind, spatial, module.weight, module.bias, hyper)
+        layer = as_layer_class(cls, type(module))(kind, spatial, module.weight, module.bias, hyper)
         layer.bn, layer.sparsity, layer.act_quant = bn, parts.sparsity, parts.act_quant
         for name, mask in parts.masks.items():
             if hasattr(layer, name):
@@ -156,7 +156,7 @@ class CompressedLayer(WeightOp):
 
     # -- forward -------------------------------------------------------------------------------
     def _channel_shape(self, y: Tensor) -> list[int]:
-        if self.kind == "linear":
+        if self.kind.startswith("linear"):
             return [-1]
         shape = [1] * y.dim()
         shape[y.dim() - self.spatial - 1] = -1
@@ -212,7 +212,7 @@ class CompressedLayer(WeightOp):
         return self.bn(y)
 
     def extra_repr(self) -> str:
-        if self.kind == "linear":
+        if self.kind.startswith("linear"):
             s = f"{self.layer_type}: in_features={self.in_features}, out_features={self.out_features}"
         else:
             s = (f"{self.layer_type}: {self.in_channels}, {self.out_channels}, "

@@ -10,6 +10,35 @@ from openamct.layer_types import layer_type_of
 
 CONV_ATTRS = ("stride", "padding", "dilation", "groups", "padding_mode", "output_padding")
 
+# One generated class per (wrapper, original layer class): created on first use, kept so that
+# instances pickle by name (torch.save of a whole model) and isinstance checks stay cheap.
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def as_layer_class(wrapper: type, layer_cls: type) -> type:
+    """A subclass of ``wrapper`` that is also ``layer_cls``: code around a compressed layer
+    (``isinstance(m, nn.Conv2d)``, Hugging Face's ``isinstance(m, Conv1D)``) sees what it
+    saw before. The wrapper comes first, so its ``__init__``, ``forward`` and repr win."""
+    if issubclass(layer_cls, wrapper):
+        layer_cls = layer_cls._layer_cls
+    key = (wrapper, layer_cls)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        name = f"{wrapper.__name__}_{layer_cls.__name__}"
+        while name in globals():
+            name += "_"
+        cls = type(name, (wrapper, layer_cls), {"__module__": __name__, "__qualname__": name,
+                                                "_layer_cls": layer_cls})
+        globals()[name] = cls
+        _CLASSES[key] = cls
+    return cls
+
+
+def public_attrs(module: nn.Module) -> dict:
+    """The plain attributes third-party forward code may read (kernel_size, nf, num_heads...)."""
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and not isinstance(v, (Tensor, nn.Module))}
+
 
 def op_kind(module: nn.Module) -> tuple[str, int]:
     """("linear" | "conv{d}d" | "conv_transpose{d}d", spatial dims) of a supported layer."""
@@ -18,8 +47,8 @@ def op_kind(module: nn.Module) -> tuple[str, int]:
         from openamct.layer_types import ALL_TYPES
 
         raise TypeError(f"module: expected one of {list(ALL_TYPES)}, got {type(module).__name__}")
-    if row.spatial == 0:
-        return "linear", 0
+    if row.matrix:  # "linear_t": Hugging Face Conv1D, y = x @ W + b with W [in, out]
+        return ("linear_t" if row.transposed else "linear"), 0
     return f"{'conv_transpose' if row.transposed else 'conv'}{row.spatial}d", row.spatial
 
 
@@ -33,7 +62,7 @@ class WeightOp(nn.Module):
     spatial: int
 
     def copy_op_attrs(self, src: nn.Module) -> None:
-        if self.kind != "linear":
+        if not self.kind.startswith("linear"):
             for k in CONV_ATTRS:
                 setattr(self, k, getattr(src, k))
             self._reversed_padding_repeated_twice = list(src._reversed_padding_repeated_twice)
@@ -42,6 +71,8 @@ class WeightOp(nn.Module):
         k = self.kind
         if k == "linear":
             return F.linear(x, w, b)
+        if k == "linear_t":
+            return F.linear(x, w.t(), b)
         if k.startswith("conv_transpose"):
             fn = F.conv_transpose1d if k == "conv_transpose1d" else F.conv_transpose2d
             return fn(x, w, b, self.stride, self.padding, self.output_padding, self.groups,

@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
 from openamct.export.export_layer import (
-    ExportLayer,
     QDQAct,
     WeightQDQ,
     fold_layers,
@@ -73,9 +72,9 @@ def _weight_qdq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> Weight
 def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, tuple[float, float]]:
     """Fold a working copy in place; return the output range (min, max) of each layer with
     an input quantizer, keyed by its weight initializer name ``<layer>.weight``."""
-    def build(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None, parts: ExportParts) -> nn.Module:
+    def build(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
         pre = None if parts.input_quant is None else QDQAct(*parts.input_quant)
-        return ExportLayer(layer, w, b, pre=pre, weight_fn=_weight_qdq(layer, w, parts), gemm_2d=True)
+        return {"pre": pre, "weight_fn": _weight_qdq(layer, w, parts), "gemm_2d": True}
 
     found = fold_layers(model, build, techniques)
     return {f"{n}.weight": p.output_range for n, p in found.items()

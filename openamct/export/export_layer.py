@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
-from openamct.compressed.ops import WeightOp
+from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
 from openamct.module_tree import set_module
 from openamct.quant.functions import QMAX, QMIN, to_channel_major
 from openamct.techniques.base import ExportParts, Technique
@@ -66,13 +66,16 @@ class ExportLayer(WeightOp):
     def __init__(self, layer: CompressedLayer, weight: Tensor, bias: Tensor | None,
                  pre: nn.Module | None = None, weight_fn: Callable[[Tensor], Tensor] | None = None,
                  gemm_2d: bool = False) -> None:
-        super().__init__()
-        self.kind, self.spatial = layer.kind, layer.spatial
+        nn.Module.__init__(self)  # not the layer class's: see compressed.ops.as_layer_class
+        for k, v in public_attrs(layer).items():  # e.g. kernel_size for HF's TF-style padding
+            setattr(self, k, v)
+        # A Conv1D (W [in, out]) goes out as a Linear: ``weight`` arrives transposed (fold_layers).
+        self.kind, self.spatial = ("linear" if layer.kind == "linear_t" else layer.kind), layer.spatial
         self.copy_op_attrs(layer)
         self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.pre, self.weight_fn = pre, weight_fn
-        self.gemm_2d = gemm_2d and layer.kind == "linear"
+        self.gemm_2d = gemm_2d and self.kind == "linear"
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm_2d and x.dim() != 2:
@@ -124,17 +127,21 @@ class WeightQDQ(nn.Module):
 
 
 def per_channel_view(w: Tensor, layer: CompressedLayer) -> tuple[Tensor, int]:
+    if layer.kind == "linear_t":  # already transposed to [out, in] for export
+        return w, 0
     """The weight with Cout on one axis (regrouped for grouped ConvTranspose) and that axis."""
     return to_channel_major(w, int(layer.weight_axis), int(layer.weight_groups))
 
 
-Builder = Callable[[str, CompressedLayer, Tensor, Tensor | None, ExportParts], nn.Module]
+# What a target file puts around one layer's op: ExportLayer keyword arguments (pre, weight_fn...).
+Builder = Callable[[str, CompressedLayer, Tensor, ExportParts], dict]
 
 
 @torch.no_grad()
 def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique]) -> dict[str, ExportParts]:
     """Replace every CompressedLayer of ``model`` (a working copy) in place by
-    ``build(name, layer, weight, bias, parts)``; return each layer's ExportParts."""
+    an ExportLayer of the same class with ``build(name, layer, weight, parts)``'s extras;
+    return each layer's ExportParts."""
     found = compressed_layers(model)
     if "" in found:
         raise ValueError("model: the root module itself is a compressed layer; wrap it in a container")
@@ -142,6 +149,10 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
     for name, layer in found.items():
         layer.eval()
         w, b = layer.effective_weight_bias()
+        if layer.kind == "linear_t":
+            w = w.t()  # exported as a Linear, so ONNX Runtime runs it as QGemm like any other
         parts = out[name] = export_parts(layer, techniques)
-        set_module(model, name, build(name, layer, w.detach().float(), None if b is None else b.detach().float(), parts))
+        new = as_layer_class(ExportLayer, type(layer))(layer, w.detach().float(), None if b is None else b.detach().float(),
+                                                         **build(name, layer, w, parts))
+        set_module(model, name, new)
     return out

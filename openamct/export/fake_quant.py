@@ -26,7 +26,7 @@ import numpy as np
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
-from openamct.export.export_layer import ExportLayer, fold_layers
+from openamct.export.export_layer import fold_layers
 from openamct.quant.functions import QMAX, QMIN
 from openamct.techniques.base import ExportParts, Technique
 
@@ -53,13 +53,12 @@ class FakeQuantAct(nn.Module):
         return f"scale={self.scale:.8g}, offset={int(self.offset)}"
 
 
-def _fake_layer(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None, parts: ExportParts) -> nn.Module:
-    pre = None if parts.input_quant is None else FakeQuantAct(*parts.input_quant)
-    return ExportLayer(layer, w, b, pre=pre)
+def _fake_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
+    return {"pre": None if parts.input_quant is None else FakeQuantAct(*parts.input_quant)}
 
 
-def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, b: Tensor | None, parts: ExportParts) -> nn.Module:
-    return ExportLayer(layer, w, b)
+def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
+    return {}
 
 
 def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique]) -> nn.Module:

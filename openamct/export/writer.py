@@ -15,7 +15,6 @@ protobuf's 2 GB limit go out with ONNX external data (``<file>.data`` next to th
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from openamct._atomic import atomic_path, atomic_write_bytes
 from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import compressed_layers, export_parts, working_copy
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
+from openamct.export.signature import export_signature, strip_wrapper_names
 from openamct.graph.capture import split_input_data
 from openamct.techniques import TECHNIQUES, Technique
 
@@ -43,47 +43,28 @@ OPSET = 17
 EXTERNAL_DATA_BYTES = 2**31 - 2**26  # protobuf's 2 GB limit, less room for the graph itself
 
 
-def _default_input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str] | None:
-    """The forward's parameter names (``x``, ``pixel_values``...), in the order the exporter
-    takes the inputs (the signature's), so both files get the same, meaningful input names
-    (the exporter's own, e.g. ``onnx::Mul_0``, depend on the first op and differ between them)."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
-        return None
-    if any(not isinstance(a, torch.Tensor) for a in args) or any(
-            v is not None and not isinstance(v, torch.Tensor) for v in kwargs.values()):
-        return None  # nested inputs flatten into several ONNX inputs
-    names = [p.name for p in params[:len(args)]]
-    return names + [p.name for p in params[len(args):] if kwargs.get(p.name) is not None]
-
-
 def export_onnx(model: nn.Module, input_data: Any, input_names=None, output_names=None,
                 dynamic_axes=None, work_dir: str | None = None) -> onnx.ModelProto:
     """TorchScript export to an in-memory ModelProto (external data loaded back in)."""
     args, kwargs = split_input_data(input_data)
-    if input_names is None:
-        input_names = _default_input_names(model, args, kwargs)
-    if output_names is None:  # ``output`` / ``output_<i>``, not the exporter's numbers that differ per file
-        with torch.no_grad():
-            out = model(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            output_names = ["output"]
-        elif isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-            output_names = [f"output_{i}" for i in range(len(out))]
+    # Names both files share (signature.py); the exporter's own differ per file.
+    target, args, kwargs, default_in, default_out = export_signature(model, args, kwargs)
+    input_names = default_in if input_names is None else input_names
+    output_names = default_out if output_names is None else output_names
     with tempfile.TemporaryDirectory(prefix=".openamct-export-", dir=work_dir) as tmp:
         path = os.path.join(tmp, "model.onnx")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
             warnings.filterwarnings("ignore", message=".*No names were found for specified dynamic axes.*")
             with torch.no_grad():
-                torch.onnx.export(model, args, path, kwargs=kwargs or None, dynamo=False,
+                torch.onnx.export(target, args, path, kwargs=kwargs or None, dynamo=False,
                                   opset_version=OPSET, input_names=input_names,
                                   output_names=output_names, dynamic_axes=dynamic_axes,
                                   do_constant_folding=True)
-        return onnx.load(path, load_external_data=True)
+        proto = onnx.load(path, load_external_data=True)
+    if target is not model:
+        strip_wrapper_names(proto)
+    return proto
 
 
 def _tensor_bytes(model: onnx.ModelProto) -> int:

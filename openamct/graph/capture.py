@@ -12,6 +12,7 @@ write in configs. Control flow simply happens; the graph is the path this input 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -204,10 +205,49 @@ def split_input_data(input_data: Any) -> tuple[tuple, dict]:
     raise TypeError(f"input_data must be a torch.Tensor, a tuple/list of tensors or a dict of keyword tensors, got {type(input_data).__name__}")
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module):
+    """Undo what one forward leaves on the modules: attributes it set or replaced (caches that
+    some Hugging Face modules fill in eval mode), buffers it changed (counters), hooks it added.
+    The captured model must behave as the one the user handed over."""
+    saved = []
+    for m in model.modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules") + _HOOK_DICTS}
+        buffers = {k: (b, None if b is None else b.detach().clone()) for k, b in m._buffers.items()}
+        hooks = {k: dict(getattr(m, k)) for k in _HOOK_DICTS if hasattr(m, k)}
+        saved.append((m, attrs, dict(m._parameters), buffers, dict(m._modules), hooks))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, attrs, params, buffers, modules, hooks in saved:
+                for k in [k for k in vars(m) if k not in attrs and k not in ("_parameters", "_buffers", "_modules")
+                          and k not in _HOOK_DICTS]:
+                    delattr(m, k)
+                m.__dict__.update(attrs)
+                m._parameters.clear()
+                m._parameters.update(params)
+                m._buffers.clear()
+                for k, (b, value) in buffers.items():
+                    if b is not None and not torch.equal(b, value):
+                        b.copy_(value)
+                    m._buffers[k] = b
+                m._modules.clear()
+                m._modules.update(modules)
+                for k, d in hooks.items():
+                    getattr(m, k).clear()
+                    getattr(m, k).update(d)
+
+
 def capture_graph(model: nn.Module, input_data: Any) -> Graph:
     """Run ``model`` once (eval mode, no grad) and return its dataflow graph.
 
-    The model's parameters, buffers and train/eval flags are left as they were.
+    The model is left exactly as it was: parameters, buffers, attributes, hooks, train/eval
+    flags (see ``_untouched``).
     """
     args, kwargs = split_input_data(input_data)
     builder = _Builder(model)
@@ -215,8 +255,19 @@ def capture_graph(model: nn.Module, input_data: Any) -> Graph:
     in_names = [f"input_{i}" for i in range(len(flatten_tensors(args)))] + [
         f"{k}" for k, v in kwargs.items() for _ in flatten_tensors(v)]
     builder.add_inputs(in_tensors, in_names)
-    flags = {m: m.training for m in model.modules()}
     handles = []
+    with _untouched(model):
+        out = _run(model, builder, args, kwargs, handles)
+    outs = flatten_tensors(out)
+    if not outs:
+        raise ValueError(f"cannot capture the graph of {type(model).__name__}: its forward returned no tensor")
+    builder.add_output(outs)
+    graph = Graph(builder.nodes, model)
+    logger.debug("captured %d nodes (%d module calls)", len(graph.nodes), sum(1 for n in graph.nodes if n.kind == "module"))
+    return graph
+
+
+def _run(model: nn.Module, builder: _Builder, args: tuple, kwargs: dict, handles: list):
     try:
         for m in model.modules():
             handles.append(m.register_forward_pre_hook(builder.pre_hook, with_kwargs=True))
@@ -235,12 +286,4 @@ def capture_graph(model: nn.Module, input_data: Any) -> Graph:
     finally:
         for h in handles:
             h.remove()
-        for m, flag in flags.items():
-            m.training = flag
-    outs = flatten_tensors(out)
-    if not outs:
-        raise ValueError(f"cannot capture the graph of {type(model).__name__}: its forward returned no tensor")
-    builder.add_output(outs)
-    graph = Graph(builder.nodes, model)
-    logger.debug("captured %d nodes (%d module calls)", len(graph.nodes), sum(1 for n in graph.nodes if n.kind == "module"))
-    return graph
+    return out

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from openamct.graph.graph import Graph
-from openamct.layer_types import is_depthwise, layer_type_of
+from openamct.graph.parametrized import hook_reparametrized
+from openamct.layer_types import LAYER_TYPES, features, is_depthwise, layer_type_of
+from openamct.log_summary import warn_grouped
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +26,19 @@ class LayerInfo:
         return int(getattr(self.module, "groups", 1))
 
     @property
+    def matrix(self) -> bool:
+        """Linear-like (features on the input's last axis): Linear, Hugging Face Conv1D."""
+        return LAYER_TYPES[self.type].matrix
+
+    @property
     def depthwise(self) -> bool:
         return is_depthwise(self.module)
 
     @property
     def cin_per_group(self) -> int:
         m = self.module
-        if self.type == "Linear":
-            return m.in_features
+        if self.matrix:
+            return features(m)[0]
         return m.in_channels // m.groups
 
 
@@ -55,7 +62,10 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
         calls = len(graph.module_calls.get(name, []))
         shared = [o for p in module.parameters(recurse=False) for o in owners.get(id(p), [])
                   if not o.startswith(name + ".")]
-        if len(aliases.get(id(module), [])) > 1:
+        hooked = hook_reparametrized(module)
+        if hooked:
+            info.excluded = hooked
+        elif len(aliases.get(id(module), [])) > 1:
             info.excluded = f"registered under several names ({', '.join(aliases[id(module)])})"
         elif calls == 0:
             info.excluded = "never called in the forward with input_data (used functionally or unused)"
@@ -63,7 +73,7 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
             info.excluded = f"called {calls} times in one forward (reused module)"
         elif shared:
             info.excluded = f"shares its parameters with {', '.join(sorted(set(shared)))}"
-        if info.excluded:
-            logger.warning("layer %r (%s) is left uncompressed: %s", name, kind, info.excluded)
         layers[name] = info
+    warn_grouped(logger, "layer(s) left uncompressed",
+                 [(f"{n} ({i.type})", i.excluded) for n, i in layers.items() if i.excluded])
     return layers

@@ -18,7 +18,8 @@ from openamct.config.specs import FilterSpec, Plan
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorArg, TensorInfo
-from openamct.layer_types import FILTER_TYPES, LAYER_TYPES
+from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
+from openamct.log_summary import warn_grouped
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
 from openamct.prune.index_mapping import (
     AXIS_OPS,
@@ -73,6 +74,16 @@ def _arg(node: Node, pos: int, key: str, default: object = None) -> object:
     if len(node.args) > pos:
         return node.args[pos]
     return node.kwargs.get(key, default)
+
+
+def _origin(t: TensorInfo) -> TensorInfo:
+    """Back through dropout, activations and other one-input pass-through ops to the op that
+    really made the values (an embedding's add, a LayerNorm, a graph input)."""
+    while t.producer is not None and t.producer.inputs and (
+            (t.producer.kind == "module" and t.producer.op in UNARY_MODULES)
+            or (t.producer.kind == "function" and t.producer.op in UNARY_FUNCTIONS)):
+        t = t.producer.inputs[0]
+    return t
 
 
 def _describe(t: TensorInfo) -> str:
@@ -183,20 +194,20 @@ class _Analysis:
         if out is None or info.type not in PRODUCER_OP:
             return
         m = info.module
-        transposed = info.type.startswith("ConvTranspose")
-        channels = m.out_features if info.type == "Linear" else m.out_channels
+        transposed = info.type.startswith("ConvTranspose")  # (Conv1D: a matrix layer, no groups)
+        channels = features(m)[1] if info.matrix else m.out_channels
         lp = self.plan.layers.get(node.name)
         active = lp is not None and not info.excluded and info.type in FILTER_TYPES
         spec = lp.filter if active else None
         why = (f"which is left uncompressed ({info.excluded})" if info.excluded
                else "which the config does not prune")
-        group = 1 if info.type == "Linear" or transposed else info.groups
-        axis = len(out.shape) - 1 if info.type == "Linear" else 1
+        group = 1 if info.matrix or transposed else info.groups
+        axis = len(out.shape) - 1 if info.matrix else 1
         self.new_source(out, axis, _Source(node.name, PRODUCER_OP[info.type], channels, group, spec, why))
 
     def consume(self, node: Node, info: LayerInfo, ins: list[TensorInfo]) -> None:
         cmap = self.maps[ins[0].key]
-        want = len(ins[0].shape) - 1 if info.type == "Linear" else 1
+        want = len(ins[0].shape) - 1 if info.matrix else 1
         if info.excluded:
             self.block(ins, node.name, f"consumer {node.name!r} is left uncompressed: {info.excluded}")
             return
@@ -207,7 +218,7 @@ class _Analysis:
             self.block(ins, node.name, f"{info.type} {node.name!r} does not read the channels on its input "
                                        "channel axis")
             return
-        groups = 1 if info.type == "Linear" else info.groups
+        groups = 1 if info.matrix else info.groups
         if groups > 1:
             blk = info.module.in_channels // groups
             for seg, offset in cmap.placed():
@@ -273,8 +284,8 @@ class _Analysis:
         for t in inputs:
             if t.key not in tracked:
                 if broadcast_dim(t.shape, ndim, axis) is not None:
-                    self.block(inputs, node.name, f"{node.op} combines the channels with {_describe(t)}, "
-                                                  "whose channels cannot be pruned")
+                    self.block(inputs, node.name, f"{node.op} combines the channels with a tensor no prunable "
+                                                  f"layer produces ({_describe(_origin(t))})")
                     return None
                 continue
             pairs = align(ref, tracked[t.key])
@@ -346,7 +357,8 @@ class _Analysis:
                 groups.append(self.make_group(gids, srcs, prune_group))
                 continue
             blocked.append(BlockedGroup(names, at, reason))
-            logger.warning("filter prune: %s", blocked[-1].describe())
+        warn_grouped(logger, "filter prune: group(s) not pruned",
+                     [(f"{', '.join(b.producers)} (stopped at {b.at})", b.reason) for b in blocked])
         return groups, blocked
 
     def make_group(self, gids: list[int], srcs: list[_Source], prune_group: int) -> PruneGroup:

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS
+from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
 from openamct.prune.group import PruneGroup
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
         for p in g.producers:
             if p.name not in modules:
                 raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
-            w = modules[p.name].weight
+            m = modules[p.name]
+            w = m.weight.t() if layer_type_of(m).name == "Conv1D" else m.weight  # output channels first
             if w.shape[0] != g.channels:
                 raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
                                  f"its group expects {g.channels}")
@@ -151,6 +152,14 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         if m.bias is not None:
             tensors["bias"] = m.bias.data[rows]
         return tensors, {"out_features": len(rows), "in_features": len(cols)}
+    row = layer_type_of(m)
+    if row is not None and row.name == "Conv1D":  # weight [in, out]; the forward reads nf
+        n_in, n_out = features(m)
+        outs, ins = _keep(n_out, out_cut, f"{name}.nf"), _keep(n_in, in_cut, f"{name}.nx")
+        tensors = {"weight": m.weight.data[ins][:, outs]}
+        if m.bias is not None:
+            tensors["bias"] = m.bias.data[outs]
+        return tensors, {"nf": len(outs)} | ({"nx": len(ins)} if hasattr(m, "nx") else {})
     if isinstance(m, BATCHNORM_TYPES):
         keep = _keep(m.num_features, out_cut | in_cut, f"{name}.num_features")
         tensors = {a: getattr(m, a).data[keep] for a in ("weight", "bias", "running_mean", "running_var")

@@ -14,7 +14,14 @@ import logging
 
 from torch import nn
 
-from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, is_depthwise
+from openamct.layer_types import (
+    BATCHNORM_TYPES,
+    CONVS,
+    TRANSPOSED_CONVS,
+    features,
+    is_depthwise,
+    layer_type_of,
+)
 from openamct.prune.filter import validate_removal
 from openamct.prune.group import FUNCTION_OP_TYPES, Member, PruneGroup
 from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
@@ -53,13 +60,19 @@ def groups_to_records(groups: list[PruneGroup], record: ScaleOffsetRecord) -> No
 
 # -- replay ------------------------------------------------------------------------------------
 
+def _op_type(m: nn.Module) -> str | None:
+    row = layer_type_of(m)
+    return None if row is None else row.op_type
+
+
 def _axis_size(m: nn.Module, role: str) -> int:
     """Size of the axis a record node addresses: outputs for producers and passive layers,
     inputs for consumers."""
     if isinstance(m, BATCHNORM_TYPES):
         return m.num_features
-    if isinstance(m, nn.Linear):
-        return m.out_features if role == "producer" else m.in_features
+    row = layer_type_of(m)
+    if row is not None and row.matrix:
+        return features(m)[1] if role == "producer" else features(m)[0]
     return m.out_channels if role != "consumer" else m.in_channels
 
 
@@ -76,7 +89,7 @@ class _Reader:
         m = self.modules.get(node.name)
         if m is None:
             raise self.fail(what, node, "does not exist in the model")
-        if kind not in _TYPES or not isinstance(m, _TYPES[kind]):
+        if kind not in _TYPES or not (isinstance(m, _TYPES[kind]) or _op_type(m) == kind):
             raise self.fail(what, node, f"is a {type(m).__name__} in the model, the record says type {kind!r}")
         group = get_int(node, "group")
         if group is not None and group != getattr(m, "groups", 1):

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from openamct.layer_types import CONVS, LAYER_TYPES, NM_TYPES, TRANSPOSED_CONVS
+from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ __all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "NMSparsifi
 _TRANSPOSED = TRANSPOSED_CONVS
 _REGULAR = (*CONVS, nn.Linear)
 _KIND_AXIS = {cls.__name__: 0 for cls in _TRANSPOSED} | {cls.__name__: 1 for cls in _REGULAR}
-_NM_TYPES = tuple(LAYER_TYPES[n].cls for n in NM_TYPES)
 
 
 def nm_axis(module_or_kind: nn.Module | type | str) -> int:
@@ -47,6 +46,9 @@ def nm_axis(module_or_kind: nn.Module | type | str) -> int:
             )
         return _KIND_AXIS[module_or_kind]
     cls = module_or_kind if isinstance(module_or_kind, type) else type(module_or_kind)
+    row = layer_type_of(module_or_kind) if isinstance(module_or_kind, nn.Module) else None
+    if row is not None:
+        return row.in_axis
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(
             f"module_or_kind: expected an nn.Module, a module class or a kind name, "
@@ -161,7 +163,8 @@ def nm_eligible(module: nn.Module) -> tuple[bool, str]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     kind = type(module).__name__
-    if not isinstance(module, _NM_TYPES):
+    row = layer_type_of(module)
+    if row is None or not row.nm:
         return False, f"{kind} is not supported by 2:4 sparsity ({', '.join(NM_TYPES)})"
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or isinstance(weight, nn.parameter.UninitializedParameter):

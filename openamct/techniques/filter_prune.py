@@ -8,12 +8,15 @@ The algorithm lives in ``openamct.prune``: ``dependency`` (which layers share ch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from openamct.config.specs import LayerPlan, Plan
 from openamct.prune.group import BlockedGroup, PruneGroup
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, Technique
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +48,12 @@ class FilterPruning(Technique):
         groups, blocked = analyse(ctx.graph, ctx.layers, ctx.plan)
         score_and_select(ctx.model, groups)
         removing = [g for g in groups if g.removed]
+        if not removing:
+            whole = len(groups)
+            logger.warning("filter prune: the config prunes %d layer(s) but removes no channel: %d coupled group(s) "
+                           "blocked (see the warnings above), %d left whole because the kept count rounds up to "
+                           "all channels (small layers, or ascend_optimized's multiples of 16)",
+                           len(self.planned(ctx.plan)), len(blocked), whole)
         record = ScaleOffsetRecord()
         groups_to_records(removing, record)
         return FilterState(removing, list(record.prune_record), blocked)

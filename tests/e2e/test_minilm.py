@@ -30,6 +30,7 @@ import torch
 from onnx import numpy_helper
 
 from examples import minilm_helpers as minilm
+from openamct.compressed.layer import CompressedLayer
 
 try:
     minilm.require_examples()
@@ -87,12 +88,12 @@ def test_fp32_reference_pair(run):
 
 
 def test_every_encoder_linear_is_compressed(run):
-    layers = {n: m for n, m in run["student"].named_modules() if type(m).__name__ == "CompressedLayer"}
+    layers = {n: m for n, m in run["student"].named_modules() if isinstance(m, CompressedLayer)}
     assert len(layers) == N_LINEAR
     assert all(n.startswith("bert.encoder.layer.") for n in layers)
     assert all(m.sparsity is not None and m.act_quant is not None and m.wts_quant is not None
                for m in layers.values())
-    assert not any(type(m).__name__ == "CompressedLayer" for m in run["student"].bert.embeddings.modules())
+    assert not any(isinstance(m, CompressedLayer) for m in run["student"].bert.embeddings.modules())
 
 
 def test_distillation_recovers(run):
@@ -132,7 +133,7 @@ def test_deploy_weights_int8_and_2_4(run):
         nonzero = (w.reshape(w.shape[0], -1, 4) != 0).sum(-1)  # [out, in/4], along the input features
         assert nonzero.max() <= 2, name
         assert (nonzero == 2).mean() > 0.95, name  # and not just all zero: 2 of 4 kept nearly everywhere
-    linear = [n for n, m in run["student"].named_modules() if type(m).__name__ == "CompressedLayer"]
+    linear = [n for n, m in run["student"].named_modules() if isinstance(m, CompressedLayer)]
     assert sorted(names) == sorted(f"{n}.weight_int8" for n in linear)
     floats = [f"{n}.weight" for n in linear if f"{n}.weight" in inits]
     assert not floats, f"float copies of Linear weights left in the deploy model: {floats[:3]}"

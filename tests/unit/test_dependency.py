@@ -190,7 +190,8 @@ def test_graph_output_blocks_and_is_logged(caplog):
         groups, blocked = run(ConvOutNet(), torch.randn(1, 3, 6, 6))
     assert groups == [] and len(blocked) == 1
     assert (blocked[0].producers, blocked[0].at) == (["conv"], "output")
-    assert "conv: not pruned, blocked at output" in caplog.text
+    # one WARNING per reason, naming the group and the node that stops it (issue 13)
+    assert "group(s) not pruned: 1: the channels reach the graph output [conv (stopped at output)]" in caplog.text
 
 
 def test_coupled_with_unplanned_layer_blocks_group():

@@ -11,6 +11,7 @@ import torch
 from onnx import numpy_helper
 
 from openamct import pipeline
+from openamct.compressed.layer import CompressedLayer
 from openamct.demo.models import MnistNet
 from openamct.record.file_io import read_record
 from openamct.techniques import TECHNIQUES
@@ -33,7 +34,7 @@ def test_toy_technique_create_restore_save(tmp_path):
 
     toy = ZeroSmallest()
     owned = [pr.selective_prune.name for pr in read_record(rec).prune_record if toy.owns(pr)]
-    compressed = [n for n, m in model.named_modules() if type(m).__name__ == "CompressedLayer"]
+    compressed = [n for n, m in model.named_modules() if isinstance(m, CompressedLayer)]
     assert owned and sorted(owned) == sorted(compressed)
 
     sgd_steps(model, x, steps=3)

@@ -1,0 +1,122 @@
+"""Give both ONNX files the same meaningful input and output names, whatever the forward takes
+and returns.
+
+A forward with positional tensor parameters exports as it is: inputs take the parameter names
+(``x``, ``pixel_values``). Anything else (keyword inputs into ``**kwargs``, non-tensor
+arguments, dict / ``ModelOutput`` / nested returns) exports through ``FlatIO``: inputs named
+after the keywords passed, outputs after the output fields (``logits``, ``last_hidden_state``,
+``hidden_states_0`` ...). Without this the exporter names them after the first op that reads
+or writes them (``onnx::Mul_0``, ``241``), which differs between the fake-quant and the deploy
+model. Non-tensor outputs (a KV cache object) are left out of the graph, with a log line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _positional_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str] | None:
+    """Parameter names when the forward takes these inputs as plain tensor parameters."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
+        return None
+    if any(not isinstance(a, torch.Tensor) for a in args) or any(
+            v is not None and not isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    names = [p.name for p in params[:len(args)]]
+    return names + [p.name for p in params[len(args):] if kwargs.get(p.name) is not None]
+
+
+def flatten_outputs(out, prefix: str = "output") -> tuple[list[torch.Tensor], list[str], list[str]]:
+    """(tensors, their names, names of left-out non-tensor fields) of a forward's result."""
+    tensors, names, dropped = [], [], []
+
+    def walk(obj, name: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            names.append(name)
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, str(k))
+        elif isinstance(obj, (tuple, list)):
+            for i, v in enumerate(obj):
+                walk(v, f"{name}_{i}")
+        elif obj is not None:
+            dropped.append(name)
+
+    if isinstance(out, torch.Tensor):
+        walk(out, prefix)
+    elif isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            walk(v, f"{prefix}_{i}")
+    else:
+        walk(out, prefix)
+    return tensors, names, dropped
+
+
+class FlatIO(nn.Module):
+    """``model(*args, **kwargs)`` with the tensor inputs as positional arguments (in the order
+    given: positional first, then the keywords) and the outputs as a flat tuple of tensors."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.model = model
+        self._args = list(args)
+        self._kwargs = dict(kwargs)
+        self._arg_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self._kw_slots = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+    def inputs(self) -> tuple[tuple, list[str]]:
+        tensors = [self._args[i] for i in self._arg_slots] + [self._kwargs[k] for k in self._kw_slots]
+        names = [f"input_{i}" for i in self._arg_slots] + list(self._kw_slots)
+        return tuple(tensors), names
+
+    def forward(self, *flat):
+        args, kwargs = list(self._args), dict(self._kwargs)
+        for slot, t in zip(self._arg_slots, flat):
+            args[slot] = t
+        for key, t in zip(self._kw_slots, flat[len(self._arg_slots):]):
+            kwargs[key] = t
+        tensors, _, _ = flatten_outputs(self.model(*args, **kwargs))
+        return tuple(tensors)
+
+
+def export_signature(model: nn.Module, args: tuple, kwargs: dict):
+    """(module to export, its args, its kwargs, input names, output names) for torch.onnx.export."""
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    tensors, out_names, dropped = flatten_outputs(out)
+    direct = _positional_names(model, args, kwargs)
+    if direct is not None and isinstance(out, (torch.Tensor, tuple, list)) and not dropped:
+        return model, args, kwargs, direct, out_names
+    if dropped:
+        logger.info("export: output field(s) %s are not tensors and are left out of the ONNX files", ", ".join(dropped))
+    flat = FlatIO(model, args, kwargs)
+    flat_args, in_names = flat.inputs()
+    return flat, flat_args, {}, in_names, out_names
+
+
+def strip_wrapper_names(proto) -> None:
+    """FlatIO holds the model as ``model``: drop that prefix from initializer and node names,
+    so the files read as if the model had been exported directly (``layer.weight``)."""
+    renamed = {}
+    for t in proto.graph.initializer:
+        if t.name.startswith("model."):
+            renamed[t.name] = t.name[len("model."):]
+            t.name = renamed[t.name]
+    for n in proto.graph.node:
+        if n.name.startswith("/model/"):
+            n.name = n.name[len("/model"):]
+        for i, name in enumerate(n.input):
+            if name in renamed:
+                n.input[i] = renamed[name]
