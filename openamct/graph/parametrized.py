@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -26,9 +27,10 @@ def evaluate_parametrizations(model: nn.Module) -> list[str]:
     """Replace weight parametrizations of supported layers by their value; return the layers."""
     done = []
     for name, module in list(model.named_modules()):
-        if parametrize.is_parametrized(module, "weight") and layer_type_of(module) is not None:
+        if (parametrize.is_parametrized(module, "weight") and set(module.parametrizations) == {"weight"}
+                and layer_type_of(module) is not None):
             kinds = ", ".join(type(p).__name__.lstrip("_") for p in module.parametrizations["weight"])
-            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+            _unparametrize(module)
             logger.info("layer %r: weight parametrization (%s) evaluated; it is compressed as a plain %s",
                         name, kinds, type(module).__name__)
             done.append(name)
@@ -36,6 +38,19 @@ def evaluate_parametrizations(model: nn.Module) -> list[str]:
         logger.warning("%d layer(s) had a weight parametrization (e.g. weight_norm), compressed with it "
                        "evaluated: %s", len(done), ", ".join(done[:3]) + (" ..." if len(done) > 3 else ""))
     return done
+
+
+@torch.no_grad()
+def _unparametrize(module: nn.Module) -> None:
+    """``remove_parametrizations`` without its side effect on the caller's model: torch deletes
+    the property from the parametrized *class*, which a deep copy shares with the original.
+    Here only this instance changes: back to its plain class, with the evaluated weight."""
+    value = module.weight.detach().clone()
+    requires_grad = module.parametrizations["weight"].original.requires_grad \
+        if hasattr(module.parametrizations["weight"], "original") else True
+    del module._modules["parametrizations"]
+    module.__class__ = module.__class__.__bases__[0]
+    module.register_parameter("weight", nn.Parameter(value, requires_grad=requires_grad))
 
 
 def hook_reparametrized(module: nn.Module) -> str | None:

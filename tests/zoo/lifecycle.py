@@ -79,12 +79,12 @@ def run(build, config: str, folder: str) -> dict:
     amct.save_compressed_retrain_model(r, rec, prefix, inputs)
     fake = _ort(prefix + "_fake_quant_model.onnx", inputs)
     deploy = _ort(prefix + "_deploy_model.onnx", inputs)
-    layers = [m for m in r.modules() if isinstance(m, CompressedLayer)]
-    kept = sum(m.weight.numel() for m in layers)
+    layers = {n: m for n, m in r.named_modules() if isinstance(m, CompressedLayer)}
+    before = sum(weights[n] for n in layers)
     return {
-        "quantized": sum(m.act_quant is not None for m in layers),
-        "sparse": sum(m.sparsity is not None for m in layers),
-        "pruned": sum(1 for m in layers if m.weight.numel() < weights.get("", 0)),  # filled by caller
-        "layers": len(layers), "kept_weight": kept,
+        "quantized": sum(m.act_quant is not None for m in layers.values()),
+        "sparse": sum(m.sparsity is not None for m in layers.values()),
+        "pruned": sum(m.weight.numel() < weights[n] for n, m in layers.items()),
+        "removed_share": 1 - sum(m.weight.numel() for m in layers.values()) / max(before, 1),
         "fake_vs_torch": cosine(fake, ref), "deploy_vs_fake": cosine(deploy, fake),
     }
