@@ -125,17 +125,16 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
 
         plan = latency_budget(work, sample, space, settings)
 
-    names = [p for g in searched for p in g.producers]
-    scores = sens.channel_scores(work, batches[:settings.test_iteration], names)
-    for g in searched:
-        missing = [p for p in g.producers if p not in scores]
-        if missing:
-            raise ValueError(f"sensitivity {type(sens).__name__}.channel_scores returned no scores for {missing[0]!r}")
-        total = sum(scores[p].detach().to(torch.float64).reshape(-1) for p in g.producers)
-        if total.numel() != g.channels:
-            raise ValueError(f"sensitivity scores of group {', '.join(g.producers)} have {total.numel()} entries, "
-                             f"the group has {g.channels} channels")
-        g.set_scores(total)
+    scores = sens.channel_scores(work, batches[:settings.test_iteration], [g.group for g in searched])
+    if not isinstance(scores, (list, tuple)) or len(scores) != len(searched):
+        raise ValueError(f"sensitivity {type(sens).__name__}.channel_scores must return one tensor per group "
+                         f"({len(searched)}), got {type(scores).__name__}")
+    for g, s in zip(searched, scores):
+        s = torch.as_tensor(s).detach().to(torch.float64).reshape(-1)
+        if s.numel() != g.channels or not torch.isfinite(s).all():
+            raise ValueError(f"sensitivity {type(sens).__name__}: the scores of group {', '.join(g.producers)} must "
+                             f"be {g.channels} finite numbers, got {s.numel()}")
+        g.set_scores(s)
     for g in space.groups:
         if g.scores is None:
             g.set_scores(torch.zeros(g.channels, dtype=torch.float64))

@@ -61,7 +61,7 @@ def format_search_report(r: SearchReport) -> str:
     cells = [["group (producers)", "channels", "kept", "ratio", "sensitivity", "lost", "MACs share", "note"]]
     for row in r.rows:
         note = "override_prune_cfg" if row.fixed else ("" if row.searchable else "too small to prune")
-        cells.append([_name(row), str(row.channels), str(row.kept), f"{row.ratio:.3f}", f"{row.sensitivity:.3g}",
+        cells.append([_name(row), str(row.channels), str(row.kept), f"{row.ratio:.3f}", f"{row.sensitivity:.3g}" if row.searchable or row.fixed else "-",
                       f"{100 * row.lost:.1f} %", f"{100 * row.macs_share:.1f} %", note])
     widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
     lines = ["  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

@@ -1,17 +1,22 @@
-"""How much each output channel matters: the sensitivity the search ranks channels by.
+"""How much each channel of a coupled group matters: the sensitivity the search ranks by.
 
 ``Sensitivity`` is the base class users subclass (upstream's contract): one method,
-``channel_scores``, returning a score per output channel of each layer asked for (higher =
-more important; scores of different layers must be on one scale, since the search compares
-them across layers).
+``channel_scores``, returning one score per channel of each group (higher = more important;
+scores of different groups must be on one scale, since the search compares them).
 
-``TaylorLossSensitivity`` (upstream's default): the first-order Taylor estimate of the loss
-change when a channel's weights go to zero, ``|g · w|`` summed over the channel's weights (and
-bias), accumulated over ``test_iteration`` batches: ``sum_b |sum_i g_i w_i|``. The model runs in
-**eval mode**: with batch statistics a following BatchNorm makes the loss invariant to the
-scale of a channel's weights, so ``g · w`` would be exactly 0 in training mode; in eval mode it
-is the loss change of scaling that channel's output. The loss is cross-entropy for 2-D outputs
-(``[batch, classes]`` logits with class-index labels); for anything else override ``loss``.
+``TaylorLossSensitivity`` (upstream's default) is the first-order Taylor estimate of the loss
+change when a channel goes: ``|g · w|`` over the weights its removal deletes, accumulated over
+``test_iteration`` batches. Filter pruning deletes a channel's output *and* the consumers'
+input-channel weights that read it; this estimate is taken on the consumers' side, where it is
+exact to first order for the whole removal (the producer's bias, the BatchNorm shift and the
+ReLU go with it too, which ``g · w`` on the producer's weights would miss). For a consumer
+``y = W x``, ``g_W[:, c] · W[:, c] = sum(g_x[c] * x[c])``, so it is computed from each
+consumer's input and its gradient, **per sample** (``sum_samples |sum_consumers g · w|``: a
+batch-level sum cancels out near a trained optimum, where the mean gradient is ~0).
+
+The model runs in eval mode (BatchNorm uses its running statistics, as after pruning). The loss
+is cross-entropy for 2-D outputs (``[batch, classes]`` logits with class-index labels); for
+anything else subclass ``TaylorLossSensitivity`` and override ``loss``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openamct.graph.capture import split_input_data
+from openamct.prune.group import PruneGroup
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +41,16 @@ class Sensitivity:
     """Base class: subclass it and implement ``channel_scores``."""
 
     def channel_scores(self, model: nn.Module, batches: Sequence[tuple[Any, torch.Tensor]],
-                       layers: Sequence[str]) -> dict[str, torch.Tensor]:
-        """``{layer name: 1-D tensor, one score per output channel}`` for every name in
-        ``layers``. ``model`` is the search's own copy (change it freely); ``batches`` are the
-        first ``test_iteration`` ``[data, label]`` pairs of ``input_data``."""
+                       groups: Sequence[PruneGroup]) -> list[torch.Tensor]:
+        """One 1-D tensor of ``group.channels`` scores per group, in order. ``model`` is the
+        search's own copy (change it freely); ``batches`` are the first ``test_iteration``
+        ``[data, label]`` pairs of ``input_data``; ``group.producers`` / ``group.consumers``
+        name the layers (``Member.positions`` maps group channels to a member's axis)."""
         raise NotImplementedError(f"{type(self).__name__} must implement channel_scores")
 
 
 class TaylorLossSensitivity(Sensitivity):
-    """``sum over batches |g · w|`` per output channel (see the module docstring)."""
+    """``sum over samples |g · w|`` per channel, on the consumers' side (module docstring)."""
 
     def loss(self, output: Any, label: torch.Tensor) -> torch.Tensor:
         """The loss the gradients come from; cross-entropy for ``[batch, classes]`` outputs."""
@@ -54,33 +61,56 @@ class TaylorLossSensitivity(Sensitivity):
                              "loss(output, label), then pass an instance as sensitivity=")
         return F.cross_entropy(output, label)
 
-    def channel_scores(self, model, batches, layers):
+    def channel_scores(self, model, batches, groups):
         modules = dict(model.named_modules())
-        params = {name: [p for p in (modules[name].weight, getattr(modules[name], "bias", None))
-                         if isinstance(p, torch.Tensor)] for name in layers}
-        flat = [p for ps in params.values() for p in ps]
+        readers: dict[str, list[tuple[int, Any]]] = {}
+        for gi, g in enumerate(groups):
+            for m in g.consumers:
+                if not m.is_function:
+                    readers.setdefault(m.name, []).append((gi, m))
+        seen: dict[str, torch.Tensor] = {}
+
+        def leaf(name):  # each consumer reads its own alias, so the alias's gradient is its own
+            def hook(module, args):
+                x = args[0].view_as(args[0]) if args[0].requires_grad else args[0].detach().requires_grad_()
+                seen[name] = x
+                return (x, *args[1:])
+            return hook
+
+        scores = [torch.zeros(g.channels, dtype=torch.float64) for g in groups]
+        handles = [modules[n].register_forward_pre_hook(leaf(n)) for n in readers]
         was = {p: p.requires_grad for p in model.parameters()}
-        wanted = {id(p) for p in flat}
-        for p in model.parameters():
-            p.requires_grad_(id(p) in wanted)
-        scores = {name: torch.zeros(modules[name].weight.shape[0], dtype=torch.float64) for name in layers}
         modes = {m: m.training for m in model.modules()}
-        model.eval()
         try:
+            for p in model.parameters():  # the graph must reach back through every layer
+                p.requires_grad_(p.is_floating_point())
+            model.eval()
             for data, label in batches:
+                seen.clear()
                 args, kwargs = split_input_data(data)
-                loss = self.loss(model(*args, **kwargs), label)
+                with torch.enable_grad():
+                    loss = self.loss(model(*args, **kwargs), label)
                 if not torch.isfinite(loss):
                     raise ValueError(f"the loss is {loss.item()} on a batch of input_data: check the data and labels")
-                grads = iter(torch.autograd.grad(loss, flat, allow_unused=True))
-                for name, ps in params.items():
-                    t = torch.zeros(scores[name].shape, dtype=torch.float64)
-                    for p in ps:
-                        g = next(grads)
-                        if g is not None:
-                            t += (g.detach() * p.detach()).to(torch.float64).reshape(p.shape[0], -1).sum(1)
-                    scores[name] += t.abs()
+                names = [n for n in readers if n in seen]
+                grads = torch.autograd.grad(loss, [seen[n] for n in names], allow_unused=True)
+                per_sample = [None] * len(groups)
+                for n, g_x in zip(names, grads):
+                    if g_x is None:
+                        continue
+                    x = seen[n]
+                    axis = x.dim() - 1 if isinstance(modules[n], nn.Linear) else 1
+                    prod = (g_x * x).detach().to(torch.float64).movedim(axis, -1)
+                    pos = prod.reshape(prod.shape[0], -1, prod.shape[-1]).sum(1)  # [samples, input channels]
+                    for gi, m in readers[n]:
+                        part = pos[:, m.begin:m.end].reshape(pos.shape[0], groups[gi].channels, m.repeat).sum(2)
+                        per_sample[gi] = part if per_sample[gi] is None else per_sample[gi] + part
+                for gi, t in enumerate(per_sample):
+                    if t is not None:
+                        scores[gi] += t.abs().sum(0)
         finally:
+            for h in handles:
+                h.remove()
             for m, flag in modes.items():
                 m.training = flag
             for p, flag in was.items():

@@ -40,10 +40,11 @@ class L2Sensitivity(Sensitivity):
     def __init__(self, boost=None):
         self.boost, self.calls = boost or {}, 0
 
-    def channel_scores(self, model, batches, layers):
+    def channel_scores(self, model, batches, groups):
         self.calls += 1
         mods = dict(model.named_modules())
-        return {n: mods[n].weight.detach().flatten(1).norm(dim=1) * self.boost.get(n, 1.0) for n in layers}
+        return [sum(mods[p].weight.detach().flatten(1).norm(dim=1) * self.boost.get(p, 1.0) for p in g.producer_names)
+                for g in groups]
 
 
 @pytest.mark.parametrize("factory,shape,sens", [
@@ -71,8 +72,9 @@ def test_the_found_config_prunes_to_the_macs_the_search_counted(tmp_path, factor
 def test_a_residual_group_gets_one_ratio_on_all_its_producers(tmp_path):
     model = ResBlockNet(c=32).eval()
     out = str(tmp_path / "found.cfg")
-    report = amct.auto_channel_prune_search(model, _cfg(tmp_path, "compress_ratio: 2.5\nascend_optimized: false\n"),
-                                            _batches((4, 3, 16, 16)), out)
+    sens = L2Sensitivity(boost={"conv1": 1e6, "head": 1e6})  # only the residual group is cheap to prune
+    report = amct.auto_channel_prune_search(model, _cfg(tmp_path, "compress_ratio: 1.5\nascend_optimized: false\n"),
+                                            _batches((4, 3, 16, 16)), out, sens)
     residual = next(r for r in report.rows if len(r.producers) > 1)
     assert set(residual.producers) == {"stem.0", "conv2"}
     found = _ratios(out)
@@ -137,15 +139,37 @@ def test_a_user_sensitivity_and_search_alg_are_used(tmp_path):
                                        _batches((4, 1, 28, 28)), out, sens, Nothing())
 
 
-def test_taylor_sensitivity_is_zero_for_a_dead_channel_and_accumulates_over_batches():
+def _groups(model, x):
+    from openamct.graph.capture import capture_graph
+    from openamct.graph.layers import find_layers
+    from openamct.prune.dependency import analyse
+    from openamct.search.space import search_plan
+
+    graph = capture_graph(model, x)
+    layers = find_layers(model, graph)
+    groups, _ = analyse(graph, layers, search_plan(layers, AMCTRetrainConfig(), False, {}, "test"))
+    return {g.producer_names[0]: g for g in groups}
+
+
+def test_taylor_sensitivity_is_g_dot_w_of_the_consumer_weights_per_sample():
     model = MnistNet().eval()
-    with torch.no_grad():
-        model.layer4[0].weight[5].zero_()
-    batches = _batches((4, 1, 28, 28), 2)
-    one = TaylorLossSensitivity().channel_scores(model, batches[:1], ["layer4.0"])["layer4.0"]
-    two = TaylorLossSensitivity().channel_scores(model, batches, ["layer4.0"])["layer4.0"]
+    with torch.no_grad():  # channel 5 of layer4 outputs exactly 0: removing it changes nothing
+        model.layer4[1].weight[5] = 0
+        model.layer4[1].bias[5] = 0
+    group = _groups(model, torch.randn(1, 1, 28, 28))["layer4.0"]
+    batches = _batches((3, 1, 28, 28), 2)
+    one = TaylorLossSensitivity().channel_scores(model, batches[:1], [group])[0]
+    two = TaylorLossSensitivity().channel_scores(model, batches, [group])[0]
     assert one.shape == (128,) and one[5] == 0 and (one > 0).sum() > 100
     assert torch.all(two >= one) and float(two.sum()) > float(one.sum())
+    # by hand: |g_W[:, c] . W[:, c]| of the consumer fc, one sample at a time, summed
+    x, y = batches[0]
+    want = torch.zeros(128, dtype=torch.float64)
+    for i in range(3):
+        loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]) / 3  # the batch mean's share
+        (g,) = torch.autograd.grad(loss, [model.fc.weight])
+        want += (g * model.fc.weight).sum(0).abs().double()
+    assert torch.allclose(one, want, rtol=1e-4, atol=1e-12)
 
 
 @pytest.mark.parametrize("text,match", [
