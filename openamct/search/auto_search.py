@@ -113,7 +113,8 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
     graph = capture_graph(work, sample)
     layers = find_layers(work, graph)
     src = f"override_prune_cfg {settings.override_path!r}" if settings.override_path else "config"
-    space = build_space(work, graph, layers, settings, align=16, src=src)
+    # the latency budget snaps kept counts to multiples of 8 even without ascend_optimized (16)
+    space = build_space(work, graph, layers, settings, align=16, src=src, snap=8 if budget == "latency" else None)
     searched = [g for g in space.groups if not g.fixed and len(g.options) > 1]
     if not any(not g.fixed for g in space.groups):
         raise ValueError(f"config {config!r}: no layer of {type(model).__name__} can be searched: "
@@ -123,7 +124,7 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
     else:
         from openamct.search.latency import latency_budget
 
-        plan = latency_budget(work, sample, space, settings)
+        plan = latency_budget(work, sample, graph, space, settings)
 
     scores = sens.channel_scores(work, batches[:settings.test_iteration], [g.group for g in searched])
     if not isinstance(scores, (list, tuple)) or len(scores) != len(searched):
@@ -154,7 +155,7 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
     if budget == "latency":
         from openamct.search.latency import refine
 
-        refine(model, sample, space, settings, plan, alg, report)
+        refine(work, sample, space, settings, plan, alg, report)
     user_set = fixed_layers(settings.override, layers)
     ratios = {}
     for g in space.groups:

@@ -150,9 +150,10 @@ def _options(channels: int, step: int, max_prune_ratio: float) -> list[int]:
 
 
 def build_space(model: nn.Module, graph: Graph, layers: dict[str, LayerInfo], settings, *,
-                align: int = 16, src: str = "override_prune_cfg") -> SearchSpace:
+                align: int = 16, src: str = "override_prune_cfg", snap: int | None = None) -> SearchSpace:
     """Groups (searched and fixed) and layer costs. ``align``: the multiple kept counts snap to
-    when ``ascend_optimized`` (16, as upstream's flag); without it only the groups' blocks count."""
+    when ``ascend_optimized`` (16, as upstream's flag); without it only the groups' blocks count,
+    or ``snap`` when given."""
     modules = {n: type(m).__name__ for n, m in model.named_modules()}
     plan = search_plan(layers, settings.override, settings.ascend_optimized, modules, src)
     fixed = fixed_layers(settings.override, layers)
@@ -166,7 +167,7 @@ def build_space(model: nn.Module, graph: Graph, layers: dict[str, LayerInfo], se
             kept = kept_count(g.channels, ratio, ascend, g.prune_group)
             sg = SearchGroup(len(groups), g, [kept], True, ascend, kept)
         else:
-            step = math.lcm(align, g.prune_group) if settings.ascend_optimized else g.prune_group
+            step = math.lcm(align if settings.ascend_optimized else (snap or 1), g.prune_group)
             opts = _options(g.channels, step, settings.max_prune_ratio)
             sg = SearchGroup(len(groups), g, opts, False, settings.ascend_optimized, g.channels)
         groups.append(sg)
