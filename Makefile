@@ -27,6 +27,7 @@ test-fast: $(STAMP)
 # Regenerate the checked-in protobuf code from the .proto files.
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iopenamct/config --python_out=openamct/config openamct/config/retrain_config.proto
+	$(PY) -m grpc_tools.protoc -Iopenamct/config --python_out=openamct/config openamct/config/auto_channel_prune_config.proto
 	$(PY) -m grpc_tools.protoc -Iopenamct/record --python_out=openamct/record openamct/record/scale_offset_record.proto
 
 lint: $(STAMP)

@@ -135,3 +135,20 @@ def save_quant_retrain_model(config_file, model, record_file, save_path, input_d
     check_type("config_file", config_file, str)
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file)
     pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+
+
+# -- channel-prune search --------------------------------------------------------------------------
+
+def auto_channel_prune_search(model, config, input_data, output_cfg, sensitivity="TaylorLossSensitivity",
+                              search_alg="GreedySearch", *, budget="macs"):
+    """Choose a filter-prune ratio per coupled group so the prunable layers' MACs drop
+    ``compress_ratio`` times (``budget="latency"``: the model runs that many times faster in ONNX
+    Runtime on this CPU); write the retrain config to ``output_cfg``. ``model`` is not changed.
+    Returns the search report (one row per group)."""
+    from openamct.search.auto_search import run_search
+
+    model = check_model(model)
+    check_type("config", config, str)
+    check_type("output_cfg", output_cfg, str)
+    check_type("budget", budget, str)
+    return run_search(model, config, input_data, output_cfg, sensitivity, search_alg, budget)

@@ -1,4 +1,4 @@
-"""The `openamct` command: demo | inspect | verify | report. The CLI is the only place that prints."""
+"""The `openamct` command: demo | inspect | verify | report | prune-search. The CLI is the only place that prints."""
 
 from __future__ import annotations
 
@@ -130,6 +130,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _print_result("demo", compute, (DemoError,), lambda results: format_summary(results, args.out))
 
 
+def cmd_prune_search(args: argparse.Namespace) -> int:
+    from openamct.search.cli_support import search_from_cli
+
+    return _print_result("prune-search", lambda: search_from_cli(args, _load_factory), (ValueError, TypeError),
+                         lambda text: text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openamct", description="AMCT-compatible retrain compression for PyTorch")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -163,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("record")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("prune-search", help="choose per-layer filter-prune ratios for a MACs or latency budget")
+    s.add_argument("--model", required=True, help="package.module:factory returning the model")
+    s.add_argument("--config", required=True, help="AutoChannelPruneConfig (.cfg): compress_ratio, ...")
+    s.add_argument("--out", required=True, help="the retrain config to write (e.g. found.cfg)")
+    s.add_argument("--weights", default=None, help="state dict (.pth, torch.save) to load into the model")
+    s.add_argument("--data", default=None, help="package.module:factory returning a list of [data, label] batches")
+    s.add_argument("--input-shape", type=_shape, default=None,
+                   help="without --data: random batches of this shape, labelled with the model's own predictions")
+    s.add_argument("--batches", type=int, default=1, help="random batches to make without --data")
+    s.add_argument("--budget", choices=("macs", "latency"), default="macs")
+    s.add_argument("--chart", default=None, help="also write the report as a PNG chart here")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(func=cmd_prune_search)
     return p
 
 
