@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from openamct.search.named import resolve
 from openamct.search.space import SearchSpace
 
 logger = logging.getLogger(__name__)
@@ -93,11 +94,4 @@ SEARCH_ALGORITHMS = {"GreedySearch": GreedySearch}
 
 
 def resolve_search_alg(search_alg: Any) -> SearchAlgorithm:
-    if isinstance(search_alg, SearchAlgorithm):
-        return search_alg
-    if isinstance(search_alg, str):
-        if search_alg not in SEARCH_ALGORITHMS:
-            raise ValueError(f"search_alg {search_alg!r} is not known: use one of {', '.join(SEARCH_ALGORITHMS)} "
-                             "or an instance of a SearchAlgorithm subclass")
-        return SEARCH_ALGORITHMS[search_alg]()
-    raise TypeError(f"search_alg must be a name (str) or a SearchAlgorithm instance, got {type(search_alg).__name__}")
+    return resolve("search_alg", search_alg, SearchAlgorithm, SEARCH_ALGORITHMS)

@@ -31,6 +31,7 @@ from torch import nn
 
 from openamct.graph.capture import split_input_data
 from openamct.prune.group import PruneGroup
+from openamct.search.named import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +123,4 @@ SENSITIVITIES = {"TaylorLossSensitivity": TaylorLossSensitivity}
 
 
 def resolve_sensitivity(sensitivity: Any) -> Sensitivity:
-    if isinstance(sensitivity, Sensitivity):
-        return sensitivity
-    if isinstance(sensitivity, str):
-        if sensitivity not in SENSITIVITIES:
-            raise ValueError(f"sensitivity {sensitivity!r} is not known: use one of {', '.join(SENSITIVITIES)} "
-                             "or an instance of a Sensitivity subclass")
-        return SENSITIVITIES[sensitivity]()
-    raise TypeError(f"sensitivity must be a name (str) or a Sensitivity instance, got {type(sensitivity).__name__}")
+    return resolve("sensitivity", sensitivity, Sensitivity, SENSITIVITIES)
