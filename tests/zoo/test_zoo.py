@@ -3,9 +3,15 @@ SGD steps, eval, checkpoint, restore (outputs equal, asserted in lifecycle.run),
 ONNX files run in ONNX Runtime. Small configs with re-initialised random weights
 (families.py): a run takes a second or two.
 
-Fidelity bound: the fake-quant file reproduces the compressed PyTorch model (cosine >= 0.999
-on the first output): the same arithmetic in another runtime, only float accumulation order
-differs, which no CPU moves by more than ~1e-5 here. deploy vs fake-quant is reported, not
+Fidelity bound: the fake-quant file reproduces the compressed PyTorch model: the same
+arithmetic in another runtime, where only float accumulation order differs. That order differs
+between CPUs and kernels, and now and then it puts a value an ulp across a rounding midpoint
+of the next quantizer: that element moves a whole quantization step, and a deep random network
+(MobileViT: 90 quantized layers) carries it to the output (seen: cosine 0.9989 on one input,
+1.0 on others). Such a flip is a property of one input; a wrong export (a lost quantizer, a
+wrong scale, an unfolded BN) is wrong on every input. So the test takes 3 input batches and
+asserts the median cosine >= 0.999 and the worst >= 0.99: a real regression fails both, a
+rare flip on one batch fails neither, on any CPU. deploy vs fake-quant is reported, not
 bounded: on random-weight deep CNNs the deploy graph's own integer rounding amplifies (see
 docs/limits.md), which issue 14 addresses.
 """
@@ -25,4 +31,4 @@ def test_zoo_lifecycle(tmp_path, family, config):
     assert r["quantized"] > 0
     if config.startswith("2:4"):
         assert r["sparse"] > 0
-    assert r["fake_vs_torch"] >= 0.999, r
+    assert r["fake_vs_torch"] >= 0.999 and r["fake_vs_torch_min"] >= 0.99, r
