@@ -26,28 +26,23 @@ def find(node: PruneNode, name: str) -> AttrProto | None:
     return None
 
 
-def get_int(node: PruneNode, name: str, default: int | None = None) -> int | None:
+def _typed(node: PruneNode, name: str, kind: int, kind_name: str) -> AttrProto | None:
     attr = find(node, name)
-    if attr is None:
-        return default
-    if attr.type != AttrType.INT:
-        raise ValueError(f"record node {node.name!r}: attr {name!r} must be INT")
-    return int(attr.i)
+    if attr is not None and attr.type != kind:
+        raise ValueError(f"record node {node.name!r}: attr {name!r} must be {kind_name}")
+    return attr
+
+
+def get_int(node: PruneNode, name: str, default: int | None = None) -> int | None:
+    attr = _typed(node, name, AttrType.INT, "INT")
+    return default if attr is None else int(attr.i)
 
 
 def get_ints(node: PruneNode, name: str) -> list[int] | None:
-    attr = find(node, name)
-    if attr is None:
-        return None
-    if attr.type != AttrType.INTS:
-        raise ValueError(f"record node {node.name!r}: attr {name!r} must be INTS")
-    return [int(v) for v in attr.ints]
+    attr = _typed(node, name, AttrType.INTS, "INTS")
+    return None if attr is None else [int(v) for v in attr.ints]
 
 
 def get_str(node: PruneNode, name: str, default: str | None = None) -> str | None:
-    attr = find(node, name)
-    if attr is None:
-        return default
-    if attr.type != AttrType.STRING:
-        raise ValueError(f"record node {node.name!r}: attr {name!r} must be STRING")
-    return attr.s.decode("utf-8", errors="replace")
+    attr = _typed(node, name, AttrType.STRING, "STRING")
+    return default if attr is None else attr.s.decode("utf-8", errors="replace")
