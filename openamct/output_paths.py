@@ -16,6 +16,8 @@ import os
 import tempfile
 from collections.abc import Mapping
 
+from openamct._atomic import temp_prefix
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_output", "check_path_syntax", "same_file", "KINDS"]
@@ -52,7 +54,7 @@ def _probe_folder(arg: str, path: str) -> None:
     if not os.path.isdir(folder):
         raise ValueError(f"{arg} {path!r}: folder {folder!r} does not exist; create it first")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".openamct-probe-", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix("probe"), dir=folder)
     except OSError as exc:
         raise ValueError(f"{arg} {path!r}: folder {folder!r} is not writable ({exc.strerror or exc})") from None
     os.close(fd)
