@@ -108,7 +108,10 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     work = _build(model, input_data, config, record_file, api, True, config_arg, techniques)
     load_into(work, pth_file, state_dict_name)
-    work._openamct.after_checkpoint()
+    try:
+        work._openamct.after_checkpoint()
+    except ValueError as exc:  # a technique refusing the checkpoint's values
+        raise ValueError(f"pth_file {pth_file!r}: {exc}") from None
     return work
 
 
