@@ -72,8 +72,12 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         if not technique.wanted(ctx):
             continue
         if restoring:
-            state = technique.from_record(ctx)
-            technique.check_restore(ctx, state)
+            try:
+                state = technique.from_record(ctx)
+                technique.check_restore(ctx, state)
+            except ValueError as exc:  # name the file: the techniques say only "record_file"
+                msg = str(exc).removeprefix("record_file").lstrip(": ")
+                raise ValueError(f"record_file {record_file!r}: {msg}") from None
         else:
             state = technique.plan(ctx)
         technique.apply(ctx, state)

@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from openamct._atomic import atomic_write_bytes
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.record.values import check_record_values
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ def read_record(path: str) -> ScaleOffsetRecord:
         raise ValueError(f"record_file {path!r} is not UTF-8 text: {exc}") from None
     except OSError as exc:
         raise ValueError(f"record_file {path!r} cannot be read: {exc}") from None
+    if not raw.strip():
+        raise ValueError(f"record_file {path!r} is empty ({len(raw)} bytes): it was not written by create_* "
+                         "(or was cut short); run create_* again to write it")
     record = ScaleOffsetRecord()
     try:
         text_format.Merge(text, record)
@@ -33,6 +37,7 @@ def read_record(path: str) -> ScaleOffsetRecord:
     missing = record.FindInitializationErrors()
     if missing:
         raise ValueError(f"record_file {path!r}: missing required fields: {', '.join(missing)}")
+    check_record_values(record, f"record_file {path!r}")
     return record
 
 

@@ -37,11 +37,11 @@ def masks_in_record(record: ScaleOffsetRecord) -> dict[str, torch.Tensor]:
         node = pr.selective_prune
         shape, words = attrs.get_ints(node, "mask_shape"), attrs.get_ints(node, "selective_mask")
         if shape is None or words is None:
-            raise ValueError(f"record: selective_prune {node.name!r} lacks mask_shape or selective_mask")
+            raise ValueError(f"record_file: selective_prune {node.name!r} lacks mask_shape or selective_mask")
         try:
             masks[node.name] = unpack_mask(shape, words)
         except ValueError as exc:
-            raise ValueError(f"record: selective_prune {node.name!r}: {exc}") from None
+            raise ValueError(f"record_file: selective_prune {node.name!r}: {exc}") from None
     return masks
 
 
