@@ -24,6 +24,7 @@ from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
 from openamct.module_tree import set_module
 from openamct.record.file_io import read_record
+from openamct.record.fingerprint import check_fingerprint, fingerprint_header
 from openamct.record.keeper import RecordKeeper
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques import TECHNIQUES, Context, Technique
@@ -66,6 +67,10 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         record = ScaleOffsetRecord()
     work = copy.deepcopy(model)
     a = analyse(work, input_data, config, api, config_arg)
+    header = fingerprint_header(a.layers)  # of the original model: before any technique edits it
+    if restoring:
+        with open(record_file, encoding="utf-8") as f:
+            check_fingerprint(f.read(), a.layers, f"record_file {record_file!r}")
     ctx = Context(work, a.graph, a.layers, a.plan, record, restoring)
     applied = []
     for technique in techniques:
@@ -87,7 +92,9 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     for name, parts in ctx.parts.items():
         layers[name] = CompressedLayer.from_parts(work.get_submodule(name), parts)
         set_module(work, name, layers[name])
-    RecordKeeper(record_file, applied, layers).attach(work)
+    keeper = RecordKeeper(record_file, applied, layers)
+    keeper.header = header
+    keeper.attach(work)
     return work
 
 

@@ -45,7 +45,8 @@ def record_to_text(record: ScaleOffsetRecord) -> str:
     return text_format.MessageToString(record)
 
 
-def write_record(path: str, record: ScaleOffsetRecord) -> None:
-    """Write atomically: temp file in the same folder, fsync, rename."""
-    atomic_write_bytes(path, record_to_text(record).encode("utf-8"))
+def write_record(path: str, record: ScaleOffsetRecord, header: str = "") -> None:
+    """Write atomically: temp file in the same folder, fsync, rename. ``header``: comment lines
+    (the model's fingerprint) that text-format parsers skip."""
+    atomic_write_bytes(path, (header + record_to_text(record)).encode("utf-8"))
     logger.debug("record written to %s", path)

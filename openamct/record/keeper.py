@@ -33,6 +33,7 @@ class RecordKeeper:
         self.applied = applied  # (technique, its state), in the order they were applied
         self.layers = layers  # name -> CompressedLayer
         self._trained = False
+        self.header = ""  # comment lines written above the record: the model's fingerprint
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()
@@ -79,5 +80,5 @@ class RecordKeeper:
         self.mark_recorded()
         if not is_writer_rank():
             return
-        write_record(target, self.build())
+        write_record(target, self.build(), self.header)
         logger.debug("record written: %s", target)

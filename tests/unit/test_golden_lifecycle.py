@@ -1,7 +1,8 @@
 """The demo config's create -> save and restore -> save write exactly the files they wrote
 before the technique-lifecycle redesign (issue 17): record text and both ONNX files, byte for
 byte. The reference files were written once, by the code at e6cf75e (regenerated on purpose for
-issue 16: the ONNX files gained one metadata_props entry, the save id; nothing else moved), with
+issue 16: the ONNX files gained one metadata_props entry, the save id, and the records the
+fingerprint comment lines at their top; nothing else moved), with
 ``python -m tests.golden.lifecycle tests/fixtures/golden``.
 
 Why bytes can be compared on every machine: tests/golden/lifecycle.py pins every value a
