@@ -141,6 +141,7 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         raise ValueError("model was not returned by an openamct create_*/restore_* function: save_* needs the "
                          "compressed model (it carries the record and the quantizers)")
     fake_path, deploy_path = save_paths(save_path)
+    keeper.undo_failed_forward()
     pending = uninitialised_layers(model)
     if pending:
         raise ValueError(

@@ -47,12 +47,25 @@ class RecordKeeper:
         model._openamct = self
         model.register_forward_pre_hook(self.before_forward)
         model.register_forward_hook(self.after_forward)
+        model.register_state_dict_pre_hook(lambda *_: self.undo_failed_forward())
+
+    def undo_failed_forward(self) -> None:
+        """Put back the state a forward that raised had changed (see compressed/rollback.py)."""
+        snap, self._snapshot = getattr(self, "_snapshot", None), None
+        if snap is not None:
+            snap.restore()
+            logger.debug("state of a forward that raised put back")
 
     def before_forward(self, model: nn.Module, args) -> None:
+        from openamct.compressed.rollback import ForwardSnapshot
+
+        self.undo_failed_forward()
+        self._snapshot = ForwardSnapshot(self.layers, model.training)
         if model.training:
             self._trained = True
 
     def after_forward(self, model: nn.Module, args, output) -> None:
+        self._snapshot = None
         eval_after_training = not model.training and self._trained
         if eval_after_training:
             self._trained = False
