@@ -6,7 +6,6 @@ changing the import line (``import openamct as amct``).
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -134,7 +133,7 @@ def create_quant_retrain_config(config_file, model, input_data, config_definatio
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, config_defination=config_defination)
     check_output("config_file", config_file, "quant_json", {"config_defination": config_defination})
-    analysis = pipeline.analyse(copy.deepcopy(model), input_data, config_defination, "quant")
+    analysis = pipeline.analyse(pipeline.deep_copy(model), input_data, config_defination, "quant")
     write_quant_json(config_file, analysis.plan)
 
 

@@ -65,7 +65,10 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         if not os.path.isdir(folder):
             raise ValueError(f"record_file {record_file!r}: folder {folder!r} does not exist")
         record = ScaleOffsetRecord()
-    work = copy.deepcopy(model)
+    from openamct.export.precheck import check_modules
+
+    check_modules(model, "create")
+    work = deep_copy(model)
     a = analyse(work, input_data, config, api, config_arg)
     header = fingerprint_header(a.layers)  # of the original model: before any technique edits it
     if restoring:
@@ -91,11 +94,24 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     layers = {}
     for name, parts in ctx.parts.items():
         layers[name] = CompressedLayer.from_parts(work.get_submodule(name), parts)
+        if parts.act_quant is not None and not getattr(parts.act_quant, "layer_name", "x"):
+            parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
     return work
+
+
+def deep_copy(model: nn.Module) -> nn.Module:
+    """The working copy (the caller's model is never edited); a model that cannot be copied is
+    a ValueError saying what to change."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:  # whatever an attribute's __deepcopy__/__reduce__ raises
+        raise ValueError(f"model cannot be deep-copied ({type(exc).__name__}: {exc}); openamct works on a copy so "
+                         "that your model stays as it is: keep locks, open files, sockets and similar objects "
+                         "off the module (or give them a __deepcopy__)") from None
 
 
 def _check_owned(record: ScaleOffsetRecord, techniques: Sequence[Technique]) -> None:
@@ -142,13 +158,20 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
                          "compressed model (it carries the record and the quantizers)")
     fake_path, deploy_path = save_paths(save_path)
     keeper.undo_failed_forward()
+    from openamct.export.precheck import check_modules, check_names
+
+    check_modules(model, "save")
+    check_names(model, input_data, input_names, output_names, dynamic_axes)
     pending = uninitialised_layers(model)
     if pending:
         raise ValueError(
             f"the activation quantizers of {len(pending)} layer(s) ({', '.join(pending[:4])}{' ...' if len(pending) > 4 else ''}) "
             "are not initialised yet: run the compressed model on real data first (clips are initialised from the "
             "first batch_num forward passes), e.g. model.eval(); model(x) with a real batch, then call save_* again")
-    keeper.flush(record_file)
+    try:
+        keeper.flush(record_file)
+    except OSError as exc:
+        raise ValueError(f"record_file {record_file or keeper.path!r} cannot be written: {exc}") from None
     export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
                 techniques=keeper.techniques)
     return fake_path, deploy_path

@@ -6,7 +6,7 @@ one whose fake-quantized batch has the smallest MSE. At upstream's percentile on
 normal-sized batch (1e6 among N(0, 1) values) becomes the clip, and every ordinary value then
 quantizes to one level. openamct's percentile therefore ignores a handful of extreme values on
 each side at every batch size: the larger of upstream's share (1e-6 of the values) and
-min(8, n // 64) values (none for tensors under 64 values), and warns when what it ignored lies far outside
+min(8, n // 1024) values (none for tensors under 1024 values), and warns when what it ignored lies far outside
 the rest. Then it runs upstream's MSE search from there: it evaluates all
 candidates at once (chunked, exact on the data, not on a histogram), scores them with the real
 INT8 quantizer (offset included) and, unless clip_min is fixed at 0, then searches clip_min the
@@ -29,7 +29,8 @@ __all__ = ["ignored_count", "percentile_max_min", "search_clips", "grid_align", 
 
 MAX_SEARCH_ELEMS = 1 << 18
 _PERCENTILE = 0.999999
-_HANDFUL = 8  # extreme values ignored on each side (at most n // 64 of them)
+_HANDFUL = 8  # extreme values ignored on each side (at most n // _PER of them)
+_PER = 1024  # one ignored value per this many: small tensors keep their true extremes
 _FAR = 4.0  # ignored values beyond _FAR x the kept extreme get a warning
 _RATIOS = (0.7, 1.3, 61)  # start, end, count: 0.01 steps, both ends included
 _CHUNK_ELEMS = 1 << 22  # candidates x values evaluated per chunk (16 MB of float32)
@@ -37,9 +38,9 @@ _CHUNK_ELEMS = 1 << 22  # candidates x values evaluated per chunk (16 MB of floa
 
 def ignored_count(n: int, percentile: float = _PERCENTILE) -> int:
     """How many of the most extreme of ``n`` values one side of the percentile ignores: the
-    larger of upstream's share (1e-6 of the values) and a handful (8, at most n // 64)."""
+    larger of upstream's share (1e-6 of the values) and a handful (8, at most n // 1024)."""
     upstream = 0 if 1.0 - percentile < 1e-7 else max(0, n - int(percentile * n) - 1)
-    return max(upstream, min(_HANDFUL, n // 64))
+    return max(upstream, min(_HANDFUL, n // _PER))
 
 
 def percentile_max_min(x: Tensor, max_percentile: float = _PERCENTILE,

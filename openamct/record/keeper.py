@@ -70,7 +70,18 @@ class RecordKeeper:
         if eval_after_training:
             self._trained = False
         if eval_after_training or any(t.record_due(s, self.layers) for t, s in self.applied):
-            self.flush()
+            try:
+                self.flush()
+            except OSError as exc:
+                # Never crash the user's forward over the record: it stays due and is written at
+                # the next forward that can (or save, which reports it).
+                self._trained = self._trained or eval_after_training
+                if not getattr(self, "_write_failed", False):
+                    logger.error("record_file %r cannot be written (%s); the model keeps training and the record "
+                                 "is written as soon as it can be", self.path, exc)
+                self._write_failed = True
+            else:
+                self._write_failed = False
 
     def mark_recorded(self) -> None:
         for technique, state in self.applied:
@@ -90,8 +101,7 @@ class RecordKeeper:
     def flush(self, path: str | None = None) -> None:
         """Write the record now (atomically; rank 0 only)."""
         target = path or self.path
-        self.mark_recorded()
-        if not is_writer_rank():
-            return
-        write_record(target, self.build(), self.header)
+        if is_writer_rank():
+            write_record(target, self.build(), self.header)
+        self.mark_recorded()  # after the write: a failed one leaves the record due
         logger.debug("record written: %s", target)
