@@ -50,7 +50,7 @@ def _edit(sd, key, fn):
 CASES = [
     ("conv.weight", lambda t: t.mul(100).long(), r"'conv.weight' has dtype torch.int64 but the model's is torch.float32"),
     ("fc.weight", lambda t: t.index_fill_(1, torch.tensor([0]), float("nan")), r"'fc.weight' holds 4 NaN/inf value"),
-    ("conv.act_quant.clip_max", lambda t: t.fill_(-3.0), r"inverted clips: 'conv.act_quant.clip_max' = -3 is not above "
+    ("conv.act_quant.clip_max", lambda t: t.fill_(-100.0), r"inverted clips: 'conv.act_quant.clip_max' = -100 is not above "
                                                           r"'conv.act_quant.clip_min'"),
     ("conv.sparsity.mask", lambda t: t.fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
     ("conv.sparsity.mask", lambda t: t.fill_(1.0), r"'conv.sparsity.mask' is not a 2:4 mask: \d+ group\(s\) of 4 weights "
