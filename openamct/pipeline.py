@@ -172,6 +172,13 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         keeper.flush(record_file)
     except OSError as exc:
         raise ValueError(f"record_file {record_file or keeper.path!r} cannot be written: {exc}") from None
-    export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
-                techniques=keeper.techniques)
+    import torch.onnx
+
+    from openamct.export.precheck import explain_export_error
+
+    try:
+        export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
+                    techniques=keeper.techniques)
+    except torch.onnx.OnnxExporterError as exc:
+        raise explain_export_error(model, exc) from None
     return fake_path, deploy_path

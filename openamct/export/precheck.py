@@ -83,3 +83,20 @@ def check_names(model: nn.Module, input_data: Any, input_names, output_names, dy
             if axis >= ranks[key]:
                 raise ValueError(f"dynamic_axes[{key!r}] has axis {axis}, but {key!r} has only {ranks[key]} "
                                  f"dimension(s) (axes 0..{ranks[key] - 1})")
+
+
+_OP_MODULES = {"aten::_native_multi_head_attention": nn.MultiheadAttention, "aten::channel_shuffle": nn.ChannelShuffle}
+
+
+def explain_export_error(model: nn.Module, exc: Exception) -> ValueError:
+    """One line naming the op and the module(s) behind it, instead of the exporter's IR dump."""
+    import re
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    m = re.search(r"'(aten::\w+|prim::\w+|onnx::\w+)'", first)
+    op = m.group(1) if m else None
+    cls = _OP_MODULES.get(op)
+    names = [n for n, mod in model.named_modules() if cls is not None and isinstance(mod, cls)]
+    where = f" in module {names[0]!r} ({cls.__name__})" if names else ""
+    hint = f"; {_RISKY[cls]}" if cls in _RISKY else ""
+    return ValueError(f"save_*: ONNX export failed{where}: {first}{hint}")

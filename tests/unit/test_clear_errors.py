@@ -14,6 +14,8 @@ from torch import nn
 
 import openamct as amct
 
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
 X = torch.randn(2, 8, 6, 6)
 
@@ -129,6 +131,29 @@ def test_multihead_attention_is_warned_about_at_create(tmp_path, caplog):
         amct.create_quant_retrain_model(_cfg(tmp_path), Attn(), str(tmp_path / "r.txt"), torch.randn(2, 5, 8))
     assert "module 'attn' (MultiheadAttention) in eval mode it may take the fused path " \
            "aten::_native_multi_head_attention" in caplog.text
+
+
+def test_an_export_failure_is_one_line_naming_the_module_and_op(tmp_path):
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.attn(h, h, h, need_weights=False)[0]
+
+    x = torch.randn(2, 5, 8)
+    m = amct.create_quant_retrain_model(_cfg(tmp_path), Attn(), str(tmp_path / "r.txt"), x)
+    m.train()
+    m(x)
+    with pytest.raises(ValueError) as info:
+        amct.save_quant_retrain_model(_cfg(tmp_path), m, str(tmp_path / "r.txt"), str(tmp_path / "m"), x)
+    msg = str(info.value)
+    assert msg.startswith("save_*: ONNX export failed in module 'attn' (MultiheadAttention): Exporting the operator "
+                          "'aten::_native_multi_head_attention' to ONNX opset version 17 is not supported")
+    assert "\n" not in msg and info.value.__cause__ is None
 
 
 # -- point 14: models and data openamct cannot use -------------------------------------------
