@@ -62,8 +62,14 @@ def _probe_folder(arg: str, path: str) -> None:
         os.remove(tmp)
 
 
+_BIG = 64 << 20  # an ONNX file larger than this is judged by its first field, not parsed whole
+
+
 def _is_kind(path: str, kind: str) -> bool:
     try:
+        if kind == "onnx" and os.path.getsize(path) > _BIG:
+            with open(path, "rb") as f:
+                return f.read(1) == b"\x08"  # ModelProto's first field: ir_version (1, varint)
         with open(path, "rb") as f:
             raw = f.read()
     except OSError:
