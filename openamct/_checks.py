@@ -39,6 +39,23 @@ def check_model(model: Any, name: str = "model") -> nn.Module:
     if meta:
         raise ValueError(f"{name} has parameters on the meta device ({meta[0]!r} ...): load real weights "
                          "(e.g. model.to_empty(device='cpu') and load_state_dict) before compressing it")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise ValueError(f"{name} was compiled with torch.compile: pass the module before compiling "
+                         f"({name}._orig_mod) and compile the model that create_*/restore_* returns")
+    scripted = next((n or "(the model)" for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None:
+        raise ValueError(f"{name}: {scripted!r} is a TorchScript module (torch.jit.script/trace); openamct needs "
+                         "the Python nn.Module it was made from")
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    odd = next(((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32),
+               None)
+    if odd is not None:
+        raise ValueError(f"{name} has {odd[1]} tensors ({odd[0]!r}): openamct trains and exports float32 models "
+                         f"(see docs/limits.md); call {name}.float() first and cast the returned model if you "
+                         "train in mixed precision (torch.autocast works)")
+    bad = next((n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise ValueError(f"{name}: {bad!r} holds NaN/inf values: load finite weights before compressing")
     return model
 
 
@@ -55,6 +72,20 @@ def check_input_data(input_data: Any) -> None:
     if not ok(input_data) or (isinstance(input_data, (tuple, list, dict)) and len(input_data) == 0):
         raise TypeError("input_data must be a torch.Tensor, a non-empty tuple/list of tensors, or a dict of "
                         f"keyword tensors (Hugging Face style), got {type(input_data).__name__}")
+
+    def tensors(v: Any, path: str):
+        if isinstance(v, torch.Tensor):
+            yield path, v
+        elif isinstance(v, (tuple, list)):
+            for i, x in enumerate(v):
+                yield from tensors(x, f"{path}[{i}]")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                yield from tensors(x, f"{path}[{k!r}]")
+
+    for where, t in tensors(input_data, "input_data"):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where} holds NaN/inf values: give finite sample data")
 
 
 def check_dynamic_axes(dynamic_axes: Any) -> None:

@@ -6,7 +6,6 @@ changing the import line (``import openamct as amct``).
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -19,8 +18,10 @@ from openamct._checks import (
     check_model,
     check_names,
     check_type,
+    save_paths,
     unwrap,
 )
+from openamct.output_paths import check_output, check_path_syntax, same_file
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def _check_common(model: Any, input_data: Any, **paths: Any) -> nn.Module:
 
 
 def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, output_names: Any,
-                dynamic_axes: Any, record_file: Any = "") -> nn.Module:
+                dynamic_axes: Any, record_file: Any = "", config_file: str | None = None) -> nn.Module:
     model = unwrap(model)
     check_type("model", model, nn.Module)
     check_type("save_path", save_path, str)
@@ -43,12 +44,33 @@ def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, o
     check_names("input_names", input_names)
     check_names("output_names", output_names)
     check_dynamic_axes(dynamic_axes)
+    fake, deploy = save_paths(save_path)
+    inputs = {"config_file": config_file, "record_file": record_file or None}
+    check_output("save_path", fake, "onnx", inputs)
+    check_output("save_path", deploy, "onnx", inputs)
+    if record_file:
+        check_output("record_file", record_file, "record", {"config_file": config_file, "save_path": fake})
+        check_output("record_file", record_file, "record", {"save_path": deploy})
     return model
+
+
+def _check_inputs_distinct(**paths: Any) -> None:
+    """Restore reads every one of these, and the record is rewritten during training: no two
+    may be the same file."""
+    named = [(k, v) for k, v in paths.items() if isinstance(v, str) and v]
+    for k, v in named:
+        check_path_syntax(k, v)
+    for i, (k, v) in enumerate(named):
+        for k2, v2 in named[i + 1:]:
+            if same_file(v, v2):
+                raise ValueError(f"{k} and {k2} are the same file {v!r}: give each its own file "
+                                 "(the record is rewritten during training and would overwrite the other)")
 
 
 def _create(api: str, model, input_data, config_defination, record_file) -> nn.Module:
     model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
     check_type("config_defination", config_defination, str)
+    check_output("record_file", record_file, "record", {"config_defination": config_defination})
     return pipeline.create(model, input_data, config_defination, record_file, api)
 
 
@@ -56,6 +78,7 @@ def _restore(api: str, model, input_data, **paths) -> nn.Module:
     """``paths`` in the caller's argument order, so the first wrong one is the one named."""
     model = _check_common(model, input_data, **paths)
     check_type("config_defination", paths["config_defination"], str)
+    _check_inputs_distinct(**{k: v for k, v in paths.items() if k != "state_dict_name"})
     return pipeline.restore(model, input_data, paths["config_defination"], paths["record_file"],
                             paths["pth_file"], paths["state_dict_name"], api)
 
@@ -109,7 +132,8 @@ def create_quant_retrain_config(config_file, model, input_data, config_definatio
 
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, config_defination=config_defination)
-    analysis = pipeline.analyse(copy.deepcopy(model), input_data, config_defination, "quant")
+    check_output("config_file", config_file, "quant_json", {"config_defination": config_defination})
+    analysis = pipeline.analyse(pipeline.deep_copy(model), input_data, config_defination, "quant")
     write_quant_json(config_file, analysis.plan)
 
 
@@ -117,6 +141,7 @@ def create_quant_retrain_model(config_file, model, record_file, input_data):
     """Insert INT8 QAT quantizers as ``config_file`` (JSON from create_quant_retrain_config, or a .cfg) says."""
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, record_file=record_file)
+    check_output("record_file", record_file, "record", {"config_file": config_file})
     return pipeline.create(model, input_data, config_file, record_file, "quant", config_arg="config_file")
 
 
@@ -125,6 +150,7 @@ def restore_quant_retrain_model(config_file, model, record_file, input_data, pth
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, record_file=record_file, pth_file=pth_file,
                           state_dict_name=state_dict_name)
+    _check_inputs_distinct(config_file=config_file, record_file=record_file, pth_file=pth_file)
     return pipeline.restore(model, input_data, config_file, record_file, pth_file, state_dict_name, "quant",
                             config_arg="config_file")
 
@@ -133,7 +159,8 @@ def save_quant_retrain_model(config_file, model, record_file, save_path, input_d
                              output_names=None, dynamic_axes=None):
     """Write the fake-quant and deploy ONNX models of a QAT model."""
     check_type("config_file", config_file, str)
-    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file)
+    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
+                        config_file)
     pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
 
 

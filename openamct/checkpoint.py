@@ -45,6 +45,30 @@ def read_state_dict(pth_file: str, state_dict_name: str | None) -> Mapping[str, 
     return ckpt
 
 
+def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], pth_file: str) -> None:
+    """Each value as it enters: dtype kind, finiteness, 0/1 masks, clip order (issue 16)."""
+    where = f"pth_file {pth_file!r}"
+    for key, mine in own.items():
+        value = sd[key]
+        if value.is_floating_point() != mine.is_floating_point() or (
+                not mine.is_floating_point() and value.dtype != mine.dtype and value.numel()):
+            raise ValueError(f"{where}: {key!r} has dtype {value.dtype} but the model's is {mine.dtype}: save "
+                             "the checkpoint from the model that create_*/restore_* returned, without casting it")
+        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise ValueError(f"{where}: {key!r} holds {bad} NaN/inf value(s) (training diverged?): "
+                             "resume from an earlier checkpoint")
+        if key.endswith(".mask") and value.numel() and not bool(((value == 0) | (value == 1)).all()):
+            odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
+            raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
+        if key.endswith("act_quant.clip_max"):
+            cmin_key = key[:-len("clip_max")] + "clip_min"
+            cmax, cmin = float(value), float(sd.get(cmin_key, torch.tensor(0.0)))
+            if not cmax > cmin:
+                raise ValueError(f"{where}: inverted clips: {key!r} = {cmax:g} is not above {cmin_key!r} = "
+                                 f"{cmin:g}")
+
+
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
     """Load strictly; a checkpoint of another model is a ValueError listing what differs."""
     sd = read_state_dict(pth_file, state_dict_name)
@@ -63,5 +87,6 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> N
             parts.append("shape mismatches " + "; ".join(shapes[:5]))
         raise ValueError(f"pth_file {pth_file!r} does not match the compressed model (was it saved from the "
                          f"model that create_*/restore_* returned, with this config and record?): {'; '.join(parts)}")
+    _check_values(sd, own, pth_file)
     model.load_state_dict(sd, strict=True)
     logger.info("loaded %d tensors from %s", len(sd), pth_file)

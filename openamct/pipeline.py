@@ -25,6 +25,7 @@ from openamct.graph.layers import LayerInfo, find_layers
 from openamct.graph.parametrized import evaluate_parametrizations
 from openamct.module_tree import set_module
 from openamct.record.file_io import read_record
+from openamct.record.fingerprint import check_fingerprint, fingerprint_header
 from openamct.record.keeper import RecordKeeper
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques import TECHNIQUES, Context, Technique
@@ -66,16 +67,27 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         if not os.path.isdir(folder):
             raise ValueError(f"record_file {record_file!r}: folder {folder!r} does not exist")
         record = ScaleOffsetRecord()
-    work = copy.deepcopy(model)
+    from openamct.export.precheck import check_modules
+
+    check_modules(model, "create")
+    work = deep_copy(model)
     a = analyse(work, input_data, config, api, config_arg)
+    header = fingerprint_header(a.layers)  # of the original model: before any technique edits it
+    if restoring:
+        with open(record_file, encoding="utf-8") as f:
+            check_fingerprint(f.read(), a.layers, f"record_file {record_file!r}")
     ctx = Context(work, a.graph, a.layers, a.plan, record, restoring)
     applied = []
     for technique in techniques:
         if not technique.wanted(ctx):
             continue
         if restoring:
-            state = technique.from_record(ctx)
-            technique.check_restore(ctx, state)
+            try:
+                state = technique.from_record(ctx)
+                technique.check_restore(ctx, state)
+            except ValueError as exc:  # name the file: the techniques say only "record_file"
+                msg = str(exc).removeprefix("record_file").lstrip(": ")
+                raise ValueError(f"record_file {record_file!r}: {msg}") from None
         else:
             state = technique.plan(ctx)
         technique.apply(ctx, state)
@@ -84,9 +96,24 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     layers = {}
     for name, parts in ctx.parts.items():
         layers[name] = CompressedLayer.from_parts(work.get_submodule(name), parts)
+        if parts.act_quant is not None and not getattr(parts.act_quant, "layer_name", "x"):
+            parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
-    RecordKeeper(record_file, applied, layers).attach(work)
+    keeper = RecordKeeper(record_file, applied, layers)
+    keeper.header = header
+    keeper.attach(work)
     return work
+
+
+def deep_copy(model: nn.Module) -> nn.Module:
+    """The working copy (the caller's model is never edited); a model that cannot be copied is
+    a ValueError saying what to change."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:  # whatever an attribute's __deepcopy__/__reduce__ raises
+        raise ValueError(f"model cannot be deep-copied ({type(exc).__name__}: {exc}); openamct works on a copy so "
+                         "that your model stays as it is: keep locks, open files, sockets and similar objects "
+                         "off the module (or give them a __deepcopy__)") from None
 
 
 def _check_owned(record: ScaleOffsetRecord, techniques: Sequence[Technique]) -> None:
@@ -110,7 +137,10 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     work = _build(model, input_data, config, record_file, api, True, config_arg, techniques)
     load_into(work, pth_file, state_dict_name)
-    work._openamct.after_checkpoint()
+    try:
+        work._openamct.after_checkpoint()
+    except ValueError as exc:  # a technique refusing the checkpoint's values
+        raise ValueError(f"pth_file {pth_file!r}: {exc}") from None
     return work
 
 
@@ -129,13 +159,28 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         raise ValueError("model was not returned by an openamct create_*/restore_* function: save_* needs the "
                          "compressed model (it carries the record and the quantizers)")
     fake_path, deploy_path = save_paths(save_path)
+    keeper.undo_failed_forward()
+    from openamct.export.precheck import check_modules, check_names
+
+    check_modules(model, "save")
+    check_names(model, input_data, input_names, output_names, dynamic_axes)
     pending = uninitialised_layers(model)
     if pending:
         raise ValueError(
             f"the activation quantizers of {len(pending)} layer(s) ({', '.join(pending[:4])}{' ...' if len(pending) > 4 else ''}) "
             "are not initialised yet: run the compressed model on real data first (clips are initialised from the "
             "first batch_num forward passes), e.g. model.eval(); model(x) with a real batch, then call save_* again")
-    keeper.flush(record_file)
-    export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
-                techniques=keeper.techniques)
+    try:
+        keeper.flush(record_file)
+    except OSError as exc:
+        raise ValueError(f"record_file {record_file or keeper.path!r} cannot be written: {exc}") from None
+    import torch.onnx
+
+    from openamct.export.precheck import explain_export_error
+
+    try:
+        export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
+                    techniques=keeper.techniques)
+    except torch.onnx.OnnxExporterError as exc:
+        raise explain_export_error(model, exc) from None
     return fake_path, deploy_path

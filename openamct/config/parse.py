@@ -56,8 +56,8 @@ def load_config(path: str, arg: str = "config_defination") -> tuple[AMCTRetrainC
 def parse_config_text(text: str, where: str = "config") -> AMCTRetrainConfig:
     msg = AMCTRetrainConfig()
     try:
-        # Merge, not Parse: upstream accepts a singular field written twice (last one wins),
-        # and its sample configs rely on it (layer_name repeated in one override block).
+        # Merge, not Parse: upstream's sample configs write one layer_name twice in an override
+        # block, which Parse refuses; check_repeats below refuses the repeats that change something.
         text_format.Merge(text, msg)
     except text_format.ParseError as exc:
         line, col = getattr(exc, "GetLine", lambda: None)(), getattr(exc, "GetColumn", lambda: None)()
@@ -67,6 +67,9 @@ def parse_config_text(text: str, where: str = "config") -> AMCTRetrainConfig:
         raise ConfigError(f"{where}: line {detail}") from None
     except (ValueError, OverflowError, RecursionError) as exc:
         raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from None
+    from openamct.config.repeats import check_repeats  # (imports this module's ConfigError)
+
+    check_repeats(text, msg.DESCRIPTOR, where)
     missing = msg.FindInitializationErrors()
     if missing:
         first = missing[0]

@@ -43,6 +43,17 @@ def _feeds(sess, input_shape: tuple[int, ...], batch: int | None, seed: int) -> 
     return feeds
 
 
+def _check_same_save(fake_path: str, fake, deploy_path: str, deploy) -> None:
+    """The two files of one save carry one save id (files older than the id carry none)."""
+    from openamct.export.writer import SAVE_ID_KEY
+
+    a = fake.get_modelmeta().custom_metadata_map.get(SAVE_ID_KEY)
+    b = deploy.get_modelmeta().custom_metadata_map.get(SAVE_ID_KEY)
+    if a != b:
+        raise ValueError(f"{fake_path!r} and {deploy_path!r} are not from the same save (save id {a or 'none'} vs "
+                         f"{b or 'none'}): an interrupted or partial save_*? save the model again")
+
+
 def _agreement(a: np.ndarray, b: np.ndarray) -> dict:
     a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
     denom = np.linalg.norm(a64) * np.linalg.norm(b64)
@@ -71,6 +82,7 @@ def verify_pair(fake_path: str, deploy_path: str, input_shape, batch: int | None
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs: expected an int >= 1, got {runs!r}")
     fake, deploy = session(fake_path), session(deploy_path)
+    _check_same_save(fake_path, fake, deploy_path, deploy)
     names = [i.name for i in fake.get_inputs()]
     if names != [i.name for i in deploy.get_inputs()]:
         raise ValueError(f"the two models take different inputs: {names} vs "

@@ -27,7 +27,7 @@ import onnx
 import torch
 from torch import nn
 
-from openamct._atomic import atomic_path, atomic_write_bytes
+from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps, temp_prefix
 from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import compressed_layers, export_parts, working_copy
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
@@ -37,7 +37,10 @@ from openamct.techniques import TECHNIQUES, Technique
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_pair", "export_onnx", "write_onnx", "OPSET", "EXTERNAL_DATA_BYTES"]
+__all__ = ["export_pair", "export_onnx", "write_onnx", "OPSET", "EXTERNAL_DATA_BYTES",
+           "SAVE_ID_KEY"]
+
+SAVE_ID_KEY = "openamct_save_id"  # metadata_props key: the two files of one save carry one id
 
 OPSET = 17
 EXTERNAL_DATA_BYTES = 2**31 - 2**26  # protobuf's 2 GB limit, less room for the graph itself
@@ -51,7 +54,7 @@ def export_onnx(model: nn.Module, input_data: Any, input_names=None, output_name
     target, args, kwargs, default_in, default_out = export_signature(model, args, kwargs)
     input_names = default_in if input_names is None else input_names
     output_names = default_out if output_names is None else output_names
-    with tempfile.TemporaryDirectory(prefix=".openamct-export-", dir=work_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("export"), dir=work_dir) as tmp:
         path = os.path.join(tmp, "model.onnx")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
@@ -81,13 +84,35 @@ def write_onnx(model: onnx.ModelProto, path: str, external_threshold: int = EXTE
     data_name = base + ".data"
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # onnx.save_model moves tensors out of the proto it is given
-    with tempfile.TemporaryDirectory(prefix=".openamct-save-", dir=folder) as tmp:
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as tmp:
         onnx.save_model(copy, os.path.join(tmp, base), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
         for name in (data_name, base):  # data first: the model file must never point at nothing
             with atomic_path(os.path.join(folder, name)) as target:
                 shutil.move(os.path.join(tmp, name), target)
     logger.info("%s: written with external data %s", path, data_name)
+
+
+def _stamp(models: Sequence[onnx.ModelProto]) -> str:
+    """Give every model of one save the same id: a digest of the pair's content (so a restore
+    that writes the same models writes the same bytes, and a file of another save differs)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for model in models:
+        g = model.graph
+        for part in (*g.node, *g.input, *g.output):
+            h.update(part.SerializeToString(deterministic=True))
+        for t in g.initializer:
+            h.update(t.name.encode())
+            h.update(repr(tuple(t.dims)).encode())
+            h.update(t.raw_data)
+        h.update(b"\0")
+    save_id = h.hexdigest()[:32]
+    for model in models:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = SAVE_ID_KEY, save_id
+    return save_id
 
 
 def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: Any,
@@ -102,11 +127,15 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     folder = os.path.dirname(os.path.abspath(fake_path))
     names = {"input_names": input_names, "output_names": output_names, "dynamic_axes": dynamic_axes,
              "work_dir": folder}
+    clean_stale_temps(folder)
+    if os.path.dirname(os.path.abspath(deploy_path)) != folder:
+        clean_stale_temps(os.path.dirname(os.path.abspath(deploy_path)))
     probe = working_copy(model)
     quantized = any(export_parts(layer, techniques).quantized for layer in compressed_layers(probe).values())
     if not quantized:
         proto = export_onnx(fold_plain(probe, techniques), input_data, **names)
         del probe
+        _stamp([proto])
         if _tensor_bytes(proto) <= external_threshold:
             data = proto.SerializeToString()
             atomic_write_bytes(fake_path, data)
@@ -123,6 +152,7 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     observers = fold_deploy(work, techniques)
     deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
     del work
+    _stamp([fake, deploy])
     write_onnx(fake, fake_path, external_threshold)
     write_onnx(deploy, deploy_path, external_threshold)
     logger.info("wrote %s and %s", fake_path, deploy_path)

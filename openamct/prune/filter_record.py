@@ -131,6 +131,8 @@ class _Reader:
         if len(set(removed)) != len(removed) or any(not 0 <= c < channels for c in removed):
             raise ValueError(f"{self.where}: prune_index of {members[0].name!r} must be distinct channels "
                              f"in 0..{channels - 1}")
+        if len(removed) >= channels:
+            raise ValueError(f"{self.where}: prune_index of {members[0].name!r} removes all its {channels} channels")
         blk = channels // prune_group
         if channels % prune_group or len({sum(1 for c in removed if c // blk == b) for b in range(prune_group)}) > 1:
             raise ValueError(f"{self.where}: prune_group={prune_group} of {members[0].name!r} needs an equal "

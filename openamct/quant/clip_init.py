@@ -2,7 +2,12 @@
 
 Upstream: take a percentile max/min of the batch (0.999999, so the true extremes for batches
 under a million values), then try clip_max = k * max for k = 0.70, 0.71, ..., 1.30 and keep the
-one whose fake-quantized batch has the smallest MSE. openamct does the same, evaluates all
+one whose fake-quantized batch has the smallest MSE. At upstream's percentile one outlier in a
+normal-sized batch (1e6 among N(0, 1) values) becomes the clip, and every ordinary value then
+quantizes to one level. openamct's percentile therefore ignores a handful of extreme values on
+each side at every batch size: the larger of upstream's share (1e-6 of the values) and
+min(8, n // 1024) values (none for tensors under 1024 values), and warns when what it ignored lies far outside
+the rest. Then it runs upstream's MSE search from there: it evaluates all
 candidates at once (chunked, exact on the data, not on a histogram), scores them with the real
 INT8 quantizer (offset included) and, unless clip_min is fixed at 0, then searches clip_min the
 same way with the chosen clip_max (one coordinate-descent round). The search runs once per layer
@@ -20,26 +25,44 @@ from openamct.quant.functions import LEVELS, QMAX, QMIN, SCALE_EPS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["percentile_max_min", "search_clips", "grid_align", "init_clips", "MAX_SEARCH_ELEMS"]
+__all__ = ["ignored_count", "percentile_max_min", "search_clips", "grid_align", "init_clips", "MAX_SEARCH_ELEMS"]
 
 MAX_SEARCH_ELEMS = 1 << 18
 _PERCENTILE = 0.999999
+_HANDFUL = 8  # extreme values ignored on each side (at most n // _PER of them)
+_PER = 1024  # one ignored value per this many: small tensors keep their true extremes
+_FAR = 4.0  # ignored values beyond _FAR x the kept extreme get a warning
 _RATIOS = (0.7, 1.3, 61)  # start, end, count: 0.01 steps, both ends included
 _CHUNK_ELEMS = 1 << 22  # candidates x values evaluated per chunk (16 MB of float32)
 
 
+def ignored_count(n: int, percentile: float = _PERCENTILE) -> int:
+    """How many of the most extreme of ``n`` values one side of the percentile ignores: the
+    larger of upstream's share (1e-6 of the values) and a handful (8, at most n // 1024)."""
+    upstream = 0 if 1.0 - percentile < 1e-7 else max(0, n - int(percentile * n) - 1)
+    return max(upstream, min(_HANDFUL, n // _PER))
+
+
 def percentile_max_min(x: Tensor, max_percentile: float = _PERCENTILE,
                        min_percentile: float = _PERCENTILE) -> tuple[float, float]:
-    """Upstream's percentile extremes, clamped so that max >= 0 >= min."""
+    """Percentile extremes that ignore the ``ignored_count`` most extreme values on each side,
+    clamped so that max >= 0 >= min."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     if n == 0:
         raise ValueError("percentile_max_min: empty tensor")
-    k_max = 1 if 1.0 - max_percentile < 1e-7 else max(1, n - int(max_percentile * n))
-    k_min = 1 if 1.0 - min_percentile < 1e-7 else max(1, n - int(min_percentile * n))
-    hi = flat.max() if k_max == 1 else torch.topk(flat, k_max, largest=True).values[-1]
-    lo = flat.min() if k_min == 1 else torch.topk(flat, k_min, largest=False).values[-1]
-    return max(float(hi), 0.0), min(float(lo), 0.0)
+    k_max = min(n, ignored_count(n, max_percentile) + 1)
+    k_min = min(n, ignored_count(n, min_percentile) + 1)
+    top = torch.topk(flat, k_max, largest=True).values
+    bottom = torch.topk(flat, k_min, largest=False).values
+    hi, lo = float(top[-1]), float(bottom[-1])
+    far_hi = int((top[:-1] > _FAR * max(abs(hi), abs(lo), 1e-12)).sum())
+    far_lo = int((bottom[:-1] < -_FAR * max(abs(hi), abs(lo), 1e-12)).sum())
+    if far_hi or far_lo:
+        logger.warning("activation clip init: %d of %d values lie far outside the rest (%.6g .. %.6g, the "
+                       "rest within [%.6g, %.6g]); treated as outliers and ignored for the clip range",
+                       far_hi + far_lo, n, float(bottom[0]), float(top[0]), lo, hi)
+    return max(hi, 0.0), min(lo, 0.0)
 
 
 def _mse(x: Tensor, cmax: Tensor, cmin: Tensor) -> Tensor:

@@ -75,6 +75,7 @@ class ActULQ(nn.Module):
         self.register_buffer("init_range", torch.zeros(2))
         self.register_buffer("init_clip_sum", torch.zeros(2, dtype=torch.float64))
         self._init_last_input: Tensor | None = None  # dedup for shared quantizers, init only
+        self.layer_name = ""  # for messages: the (first) layer it quantizes the input of
 
     def forward(self, x: Tensor) -> Tensor:
         if not graph_mode() and not bool(self.initialized):
@@ -85,6 +86,10 @@ class ActULQ(nn.Module):
     def _init_step(self, x: Tensor) -> None:
         if self._init_last_input is x:
             return
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"layer {self.layer_name or '?'!r}: its input batch holds NaN/inf values, so its "
+                             "activation clips cannot be initialised from it: check the data (and the layers "
+                             "before this one)")
         self._init_last_input = x
         fixed = bool(self.fixed_min)
         n = int(self.init_batches)

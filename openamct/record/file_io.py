@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from openamct._atomic import atomic_write_bytes
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.record.values import check_record_values
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ def read_record(path: str) -> ScaleOffsetRecord:
         raise ValueError(f"record_file {path!r} is not UTF-8 text: {exc}") from None
     except OSError as exc:
         raise ValueError(f"record_file {path!r} cannot be read: {exc}") from None
+    if not raw.strip():
+        raise ValueError(f"record_file {path!r} is empty ({len(raw)} bytes): it was not written by create_* "
+                         "(or was cut short); run create_* again to write it")
     record = ScaleOffsetRecord()
     try:
         text_format.Merge(text, record)
@@ -33,6 +37,7 @@ def read_record(path: str) -> ScaleOffsetRecord:
     missing = record.FindInitializationErrors()
     if missing:
         raise ValueError(f"record_file {path!r}: missing required fields: {', '.join(missing)}")
+    check_record_values(record, f"record_file {path!r}")
     return record
 
 
@@ -40,7 +45,8 @@ def record_to_text(record: ScaleOffsetRecord) -> str:
     return text_format.MessageToString(record)
 
 
-def write_record(path: str, record: ScaleOffsetRecord) -> None:
-    """Write atomically: temp file in the same folder, fsync, rename."""
-    atomic_write_bytes(path, record_to_text(record).encode("utf-8"))
+def write_record(path: str, record: ScaleOffsetRecord, header: str = "") -> None:
+    """Write atomically: temp file in the same folder, fsync, rename. ``header``: comment lines
+    (the model's fingerprint) that text-format parsers skip."""
+    atomic_write_bytes(path, (header + record_to_text(record)).encode("utf-8"))
     logger.debug("record written to %s", path)

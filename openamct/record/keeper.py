@@ -33,6 +33,7 @@ class RecordKeeper:
         self.applied = applied  # (technique, its state), in the order they were applied
         self.layers = layers  # name -> CompressedLayer
         self._trained = False
+        self.header = ""  # comment lines written above the record: the model's fingerprint
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()
@@ -46,17 +47,41 @@ class RecordKeeper:
         model._openamct = self
         model.register_forward_pre_hook(self.before_forward)
         model.register_forward_hook(self.after_forward)
+        model.register_state_dict_pre_hook(lambda *_: self.undo_failed_forward())
+
+    def undo_failed_forward(self) -> None:
+        """Put back the state a forward that raised had changed (see compressed/rollback.py)."""
+        snap, self._snapshot = getattr(self, "_snapshot", None), None
+        if snap is not None:
+            snap.restore()
+            logger.debug("state of a forward that raised put back")
 
     def before_forward(self, model: nn.Module, args) -> None:
+        from openamct.compressed.rollback import ForwardSnapshot
+
+        self.undo_failed_forward()
+        self._snapshot = ForwardSnapshot(self.layers, model.training)
         if model.training:
             self._trained = True
 
     def after_forward(self, model: nn.Module, args, output) -> None:
+        self._snapshot = None
         eval_after_training = not model.training and self._trained
         if eval_after_training:
             self._trained = False
         if eval_after_training or any(t.record_due(s, self.layers) for t, s in self.applied):
-            self.flush()
+            try:
+                self.flush()
+            except OSError as exc:
+                # Never crash the user's forward over the record: it stays due and is written at
+                # the next forward that can (or save, which reports it).
+                self._trained = self._trained or eval_after_training
+                if not getattr(self, "_write_failed", False):
+                    logger.error("record_file %r cannot be written (%s); the model keeps training and the record "
+                                 "is written as soon as it can be", self.path, exc)
+                self._write_failed = True
+            else:
+                self._write_failed = False
 
     def mark_recorded(self) -> None:
         for technique, state in self.applied:
@@ -76,8 +101,7 @@ class RecordKeeper:
     def flush(self, path: str | None = None) -> None:
         """Write the record now (atomically; rank 0 only)."""
         target = path or self.path
-        self.mark_recorded()
-        if not is_writer_rank():
-            return
-        write_record(target, self.build())
+        if is_writer_rank():
+            write_record(target, self.build(), self.header)
+        self.mark_recorded()  # after the write: a failed one leaves the record due
         logger.debug("record written: %s", target)

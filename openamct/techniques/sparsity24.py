@@ -37,11 +37,11 @@ def masks_in_record(record: ScaleOffsetRecord) -> dict[str, torch.Tensor]:
         node = pr.selective_prune
         shape, words = attrs.get_ints(node, "mask_shape"), attrs.get_ints(node, "selective_mask")
         if shape is None or words is None:
-            raise ValueError(f"record: selective_prune {node.name!r} lacks mask_shape or selective_mask")
+            raise ValueError(f"record_file: selective_prune {node.name!r} lacks mask_shape or selective_mask")
         try:
             masks[node.name] = unpack_mask(shape, words)
         except ValueError as exc:
-            raise ValueError(f"record: selective_prune {node.name!r}: {exc}") from None
+            raise ValueError(f"record_file: selective_prune {node.name!r}: {exc}") from None
     return masks
 
 
@@ -53,6 +53,21 @@ def add_mask_entry(record: ScaleOffsetRecord, name: str, mask: torch.Tensor) -> 
     attrs.add_ints(node, "mask_shape", shape)
     attrs.add_ints(node, "selective_mask", words)
     return entry
+
+
+def check_nm_pattern(mask: torch.Tensor, axis: int, groups: int, what: str) -> None:
+    """A ready 2:4 mask keeps at most 2 of every 4 weights; anything else (e.g. all ones) would be
+    exported as if it were sparse. ValueError naming ``what``."""
+    from openamct.prune.nm import compute_nm_mask
+
+    if not mask.numel():
+        return
+    keep = mask.bool()
+    allowed = compute_nm_mask(keep.float(), axis, 2, 4, groups=groups, as_bool=True)
+    extra = int((keep & ~allowed).sum())
+    if extra:
+        raise ValueError(f"{what} is not a 2:4 mask: {extra} group(s) of 4 weights keep more than 2 "
+                         f"({int(keep.sum())} of {keep.numel()} weights kept)")
 
 
 @dataclass
@@ -94,6 +109,12 @@ class Sparsity24(Technique):
             if mask is not None and tuple(mask.shape) != tuple(weight.shape):
                 raise ValueError(f"record_file: the 2:4 mask of layer {name!r} has shape {list(mask.shape)} but "
                                  f"the layer's weight is {list(weight.shape)} (record from another model?)")
+            if mask is not None:
+                from openamct.prune.nm import nm_axis, nm_groups
+
+                module = ctx.model.get_submodule(name)
+                check_nm_pattern(mask, nm_axis(module), nm_groups(module),
+                                 f"record_file: selective_prune {name!r} (selective_mask)")
 
     def apply(self, ctx: Context, state: SparsityState) -> None:
         from openamct.prune.nm import NMSparsifier
@@ -123,6 +144,9 @@ class Sparsity24(Technique):
         record is not rewritten here: an evaluation script must not touch a live job's record;
         the resumed job rewrites it at its next mask change or eval forward after training."""
         sparsifiers = _sparsifiers(layers)
+        for name, sp in sparsifiers.items():
+            if bool(sp.mask_ready):
+                check_nm_pattern(sp.mask, sp.axis, sp.groups, repr(name + ".sparsity.mask"))
         differ = [n for n, mask in state.recorded.items() if not torch.equal(sparsifiers[n].mask.bool(), mask)]
         if differ:
             logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's (the record was "

@@ -77,12 +77,12 @@ def journal_record_writes(workdir: str) -> None:
     journal.write("\n")  # ends a line a kill may have cut short
     write = session.write_record
 
-    def journaled(path, record):
-        digest = hashlib.sha256(record_to_text(record).encode("utf-8")).hexdigest()
+    def journaled(path, record, header=""):
+        digest = hashlib.sha256((header + record_to_text(record)).encode("utf-8")).hexdigest()
         journal.write(digest + "\n")
         journal.flush()
         os.fsync(journal.fileno())
-        write(path, record)
+        write(path, record, header)
 
     session.write_record = journaled
 

@@ -139,8 +139,8 @@ def test_clip_init_uniform_distribution():
 def test_clip_init_search_picks_mse_minimum():
     gen = torch.Generator().manual_seed(6)
     x = torch.cat([torch.randn(20_000, generator=gen), torch.tensor([9.0, -7.0])])
-    hi, lo = clip_init.percentile_max_min(x)
-    assert (hi, lo) == (9.0, -7.0)
+    assert clip_init.percentile_max_min(x)[0] < 5.0  # the two outliers are ignored (issue 16)
+    hi, lo = 9.0, -7.0  # the search itself, from upstream's true extremes
     best_max, best_min = clip_init.search_clips(x, hi, lo, fixed_min=False)
 
     def mse(cmax, cmin):  # upstream-style loop, one candidate at a time

@@ -1,0 +1,120 @@
+"""Checks on the files a call will write, done before any work (issue 16).
+
+A call never overwrites one of its own inputs, and never overwrites a file that is not a
+previous output of the same kind: a record file must parse as a ScaleOffsetRecord text, an
+ONNX file as a ModelProto, a quant config as openamct's JSON (it has ``"version"``). The
+folder must exist and accept a new file (probed by creating one: permission bits say nothing
+when running as root, and a read-only mount only shows on a write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+
+from openamct._atomic import temp_prefix
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["check_output", "check_path_syntax", "same_file", "KINDS"]
+
+KINDS = {"record": "an openamct/AMCT record file (ScaleOffsetRecord text)",
+         "onnx": "an ONNX model",
+         "quant_json": "a quant config JSON written by create_quant_retrain_config"}
+
+
+def check_path_syntax(arg: str, path: str) -> str:
+    """The absolute path; a ValueError naming ``arg`` for '', NUL bytes, '/', a folder."""
+    if not isinstance(path, str):
+        raise TypeError(f"{arg} must be str, got {type(path).__name__}")
+    if path == "":
+        raise ValueError(f"{arg} is empty: give a file path")
+    if "\0" in path:
+        raise ValueError(f"{arg} {path!r} contains a NUL byte")
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise ValueError(f"{arg} {path!r} is a directory: give a file path inside it")
+    return os.path.abspath(path)
+
+
+def same_file(a: str, b: str) -> bool:
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _probe_folder(arg: str, path: str) -> None:
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{arg} {path!r}: folder {folder!r} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix("probe"), dir=folder)
+    except OSError as exc:
+        raise ValueError(f"{arg} {path!r}: folder {folder!r} is not writable ({exc.strerror or exc})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.remove(tmp)
+
+
+_BIG = 64 << 20  # an ONNX file larger than this is judged by its first field, not parsed whole
+
+
+def _is_kind(path: str, kind: str) -> bool:
+    try:
+        if kind == "onnx" and os.path.getsize(path) > _BIG:
+            with open(path, "rb") as f:
+                return f.read(1) == b"\x08"  # ModelProto's first field: ir_version (1, varint)
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    if kind == "record":
+        from google.protobuf import text_format
+
+        from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+        try:
+            text_format.Merge(raw.decode("utf-8"), ScaleOffsetRecord())
+        except Exception:  # any parse failure means: not a record
+            return False
+        return True
+    if kind == "onnx":
+        import onnx
+        model = onnx.ModelProto()
+        try:
+            model.ParseFromString(raw)
+        except Exception:  # protobuf's DecodeError and friends
+            return False
+        return model.ir_version > 0 and model.HasField("graph")
+    if kind == "quant_json":
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(data, dict) and "version" in data
+    raise ValueError(f"unknown output kind {kind!r}")
+
+
+def check_output(arg: str, path: str, kind: str, inputs: Mapping[str, str | None] | None = None) -> str:
+    """Refuse (ValueError naming ``arg``) a path that is an input of the same call, an existing
+    file of another kind, or in a folder that does not exist or is not writable."""
+    full = check_path_syntax(arg, path)
+    for name, other in (inputs or {}).items():
+        if isinstance(other, str) and other and "\0" not in other and same_file(full, other):
+            raise ValueError(f"{arg} {path!r} is the same file as {name}: it would be overwritten; "
+                             f"give {arg} a new path")
+    _probe_folder(arg, full)
+    if os.path.exists(full):
+        if not os.path.isfile(full):
+            raise ValueError(f"{arg} {path!r} exists and is not a regular file")
+        if not _is_kind(full, kind):
+            raise ValueError(f"{arg} {path!r} exists and is not {KINDS[kind]}: openamct will not overwrite "
+                             "it; give a new path (or delete the file yourself)")
+        if not os.access(full, os.W_OK):
+            raise ValueError(f"{arg} {path!r} exists and is read-only")
+    return full

@@ -1,0 +1,72 @@
+"""Issue 16, point 6: a checkpoint's values and dtypes are checked where they enter; each bad
+one is a ValueError naming the checkpoint key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import openamct as amct
+
+CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+       "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n")
+X = torch.randn(2, 8, 6, 6)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck")
+    (d / "c.cfg").write_text(CFG)
+    m = amct.create_compressed_retrain_model(Net(), X, str(d / "c.cfg"), str(d / "rec.txt"))
+    m.train()
+    m(X).sum().backward()
+    m.eval()
+    m(X)
+    return d, {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _restore(d, sd, name="bad.pth"):
+    torch.save({"sd": sd}, d / name)
+    return amct.restore_compressed_retrain_model(Net(), X, str(d / "c.cfg"), str(d / "rec.txt"), str(d / name), "sd")
+
+
+def _edit(sd, key, fn):
+    sd = dict(sd)
+    sd[key] = fn(sd[key].clone())
+    return sd
+
+
+CASES = [
+    ("conv.weight", lambda t: t.mul(100).long(), r"'conv.weight' has dtype torch.int64 but the model's is torch.float32"),
+    ("fc.weight", lambda t: t.index_fill_(1, torch.tensor([0]), float("nan")), r"'fc.weight' holds 4 NaN/inf value"),
+    ("conv.act_quant.clip_max", lambda t: t.fill_(-100.0), r"inverted clips: 'conv.act_quant.clip_max' = -100 is not above "
+                                                          r"'conv.act_quant.clip_min'"),
+    ("conv.sparsity.mask", lambda t: t.fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
+    ("conv.sparsity.mask", lambda t: t.fill_(1.0), r"'conv.sparsity.mask' is not a 2:4 mask: \d+ group\(s\) of 4 weights "
+                                                   r"keep more than 2 \(1152 of 1152 weights kept\)"),
+    ("fc.sparsity.step", lambda t: t.double(), r"'fc.sparsity.step' has dtype torch.float64 but the model's is torch.int64"),
+]
+
+
+@pytest.mark.parametrize("key,fn,msg", CASES, ids=[c[2][:30] for c in CASES])
+def test_bad_checkpoint_values_are_refused_naming_the_key(trained, key, fn, msg):
+    d, sd = trained
+    with pytest.raises(ValueError, match=r"pth_file '.*bad.pth'.*" + msg):
+        _restore(d, _edit(sd, key, fn))
+
+
+def test_the_clean_checkpoint_restores(trained):
+    d, sd = trained
+    m = _restore(d, sd, "good.pth")
+    assert torch.equal(m.state_dict()["conv.weight"], sd["conv.weight"])

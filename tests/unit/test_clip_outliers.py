@@ -1,0 +1,59 @@
+"""Issue 16, point 4: one outlier in the first batch must not become a quantizer's clip."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import openamct as amct
+from openamct.quant import clip_init
+from openamct.quant.quantizers import ActULQ
+
+CFG = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+
+
+def test_one_outlier_in_the_first_batch_does_not_wreck_conv1(tmp_path, caplog):
+    cfg = tmp_path / "q.cfg"
+    cfg.write_text(CFG)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(4, 3, 16, 16)
+    m = amct.create_quant_retrain_model(str(cfg), model, str(tmp_path / "r.txt"), x)
+    first = torch.randn(4, 3, 16, 16)
+    first[1, 2, 3, 4] = 1e6
+    m.train()
+    with caplog.at_level(logging.WARNING, logger="openamct.quant.clip_init"):
+        m(first)
+    aq = m[0].act_quant
+    assert 2.0 < aq.clip_max.item() < 6.0, aq.clip_max.item()  # was 1.25e6
+    assert -6.0 < aq.clip_min.item() < -1.0
+    assert "1 of 3072 values lie far outside the rest" in caplog.text
+    normal = torch.randn(4, 3, 16, 16)
+    assert aq(normal).unique().numel() > 100  # a normal batch uses many levels (was 1)
+
+
+@pytest.mark.parametrize("n", [1024, 1500, 10_000, 30_000, 1_000_000, 3_000_001])
+@pytest.mark.parametrize("outliers", [1, 3])
+def test_a_handful_of_outliers_is_ignored_at_every_batch_size(n, outliers):
+    if outliers > clip_init.ignored_count(n):
+        n = 1024 * outliers  # the smallest batch that ignores this many
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[:outliers] = 1e6
+    x[-outliers:] = -1e6
+    hi, lo = clip_init.percentile_max_min(x)
+    assert 1.0 < hi < 7.0 and -7.0 < lo < -1.0, (hi, lo)
+    q = ActULQ()
+    q(x)
+    assert q.clip_max.item() < 10.0 and q.clip_min.item() > -10.0
+
+
+def test_clean_data_keeps_its_range_and_tiny_tensors_their_true_extremes():
+    x = torch.rand(200_000, generator=torch.Generator().manual_seed(1)) * 4.0
+    hi, _ = clip_init.percentile_max_min(x)
+    assert 3.99 < hi <= 4.0
+    t = torch.tensor([0.5, -0.25, 9.0])
+    assert clip_init.percentile_max_min(t) == (9.0, -0.25)  # under 1024 values nothing is ignored
+    assert clip_init.ignored_count(10) == 0 and clip_init.ignored_count(8192) == 8 and clip_init.ignored_count(2048) == 2
+    assert clip_init.ignored_count(20_000_000) == 19
