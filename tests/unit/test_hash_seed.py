@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
         env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
         started[seed] = (out, subprocess.Popen([sys.executable, WORKER, str(out)], cwd=ROOT, env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for seed, (out, proc) in started.items():
+    for seed, (_, proc) in started.items():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"PYTHONHASHSEED={seed}: {err[-3000:]}"
     return {seed: out for seed, (out, _) in started.items()}
