@@ -23,6 +23,7 @@ import torch
 
 from openamct.record.io import read_record
 from openamct.session import masks_in_record
+from tests.conftest import checkout_env
 from tests.e2e._ddp_worker import train_digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +32,7 @@ ABORT_SIGNS = ("terminate called", "Aborted", "SIGABRT", "core dumped", "Traceba
 
 
 def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = checkout_env()
     cmd = [TORCHRUN if os.path.exists(TORCHRUN) else "torchrun", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stderr[-4000:]}"

@@ -15,6 +15,7 @@ import pytest
 
 from openamct.demo.data import load_digits
 from openamct.record.io import read_record
+from tests.conftest import checkout_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = ["prune_retrain.py", "compressed_retrain.py", "quant_retrain.py"]
@@ -22,7 +23,7 @@ SCRIPTS = ["prune_retrain.py", "compressed_retrain.py", "quant_retrain.py"]
 
 def run_script(name: str, out: str) -> str:
     # One torch thread: on a shared 2-core machine two spinning threads per process are slow.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = checkout_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), "--epochs", "2", "--out", out],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
