@@ -8,11 +8,10 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
+from openamct.demo import bench
 from openamct.demo.data import load_digits
 from openamct.record.io import read_record
 from tests.conftest import checkout_env
@@ -31,10 +30,11 @@ def run_script(name: str, out: str) -> str:
 
 
 def deploy_accuracy(path: str) -> float:
+    """The scripts' own measurement (bench.session: 2 ORT threads, batches of 250), so the same
+    file gives the same logits bit for bit: ORT's default thread count is the machine's core
+    count, and another split of the work may round the float parts differently."""
     data = load_digits()
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    logits = sess.run(None, {"input": data.x_test.numpy()})[0]
-    return float(np.mean(logits.argmax(1) == data.y_test.numpy()))
+    return bench.onnx_accuracy(bench.session(path), data.x_test, data.y_test)
 
 
 def int8_initializers(path: str) -> int:
@@ -47,12 +47,14 @@ def test_example_script_runs_and_its_onnx_files_work(tmp_path, script):
     stdout = run_script(script, out)
     printed = {k: float(v) for k, v in re.findall(r"(FP32 accuracy|deploy ONNX accuracy|deploy ONNX) ([0-9.]+)", stdout)}
     deploy_key = "deploy ONNX accuracy" if script == "prune_retrain.py" else "deploy ONNX"
+    # 2 epochs: FP32 97.6-97.8 %, deploy 98.0-99.1 % measured over 4 inits, far above the bound.
     assert printed["FP32 accuracy"] > 0.85, stdout
     deploy = os.path.join(out, "digits_deploy_model.onnx")
     fake = os.path.join(out, "digits_fake_quant_model.onnx")
-    # What the script printed is what the file on disk does.
+    # What the script printed is what the file on disk does (same measurement: up to the print's
+    # 4 decimals).
     acc = deploy_accuracy(deploy)
-    assert acc == pytest.approx(printed[deploy_key], abs=1e-4)
+    assert acc == pytest.approx(printed[deploy_key], abs=5e-5)
     assert acc > 0.85
     record = read_record(os.path.join(out, "record.txt"))
     if script == "prune_retrain.py":
