@@ -91,8 +91,9 @@ def check_input_data(input_data: Any) -> None:
 def check_dynamic_axes(dynamic_axes: Any) -> None:
     if dynamic_axes is None:
         return
-    if not isinstance(dynamic_axes, dict):
-        raise ValueError(f"dynamic_axes must be a dict {{name: [axes] or {{axis: 'label'}}}}, got {type(dynamic_axes).__name__}")
+    if not isinstance(dynamic_axes, dict):  # a wrong type is a TypeError, as upstream AMCT raises
+        raise TypeError(f"dynamic_axes must be a dict {{name: [axes] or {{axis: 'label'}}}} or None, "
+                        f"got {type(dynamic_axes).__name__}")
     for key, axes in dynamic_axes.items():
         if not isinstance(key, str):
             raise ValueError(f"dynamic_axes keys must be input/output names (str), got {key!r}")

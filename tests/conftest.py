@@ -15,6 +15,14 @@ def compat_config(name: str) -> str:
     return os.path.join(COMPAT, "configs", name)
 
 
+def checkout_env(**extra: str) -> dict[str, str]:
+    """Environment for a subprocess that must import this checkout's ``openamct``: a script run
+    by path puts its own folder first on sys.path, so without this it would get the package the
+    virtualenv has installed, which may be another checkout (a git worktree sharing the venv)."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

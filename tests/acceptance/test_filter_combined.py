@@ -17,6 +17,7 @@ from tests.acceptance.conftest import write_cfg as write
 from tests.acceptance.onnx_weights import group_nonzeros, layer_weights
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
+from tests.numerics import assert_logits_agree, assert_same_quantized_function, cosine
 
 FILTER = "prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_ratio: %s ascend_optimized: false } } }\n"
 NM_OVERRIDE = ('override_layer_configs { layer_name: "%s" prune_config { n_out_of_m_pruner { '
@@ -75,7 +76,7 @@ def channels(model, name):
 ])
 def test_net001_compat_configs_full_cycle(tmp_path, api, cfg):
     path = os.path.join(COMPAT, "configs", cfg)
-    x = torch.randn(8, 2, 28, 28)
+    x = torch.randn(32, 2, 28, 28)  # 8 to train on; all 32 compared (see the ONNX check)
     rec, ck = str(tmp_path / "rec.txt"), str(tmp_path / "ck.pth")
     create = amct.create_prune_retrain_model if api == "prune" else amct.create_compressed_retrain_model
     model = create(MODELS["Net001"](), x[:1], path, rec)
@@ -84,7 +85,7 @@ def test_net001_compat_configs_full_cycle(tmp_path, api, cfg):
         assert channels(model, "fc.0") == 1024 and channels(model, "fc.2") == 128
     if "override_layer_configs" in cfg:
         assert channels(model, "layer1.0") == 16  # 16 - 8 = 8 kept, aligned up to 16: too small
-    train(model, x, steps=3)
+    train(model, x[:8], steps=3)
     with torch.no_grad():
         y = model(x)
     torch.save({"state_dict": model.state_dict()}, ck)
@@ -95,7 +96,7 @@ def test_net001_compat_configs_full_cycle(tmp_path, api, cfg):
     restored.eval()
     with torch.no_grad():
         y2 = restored(x)
-    assert y2.shape == (8, 10) and torch.allclose(y, y2, atol=1e-5)
+    assert y2.shape == (32, 10) and torch.allclose(y, y2, atol=1e-5)
     if api == "prune":
         amct.save_prune_retrain_model(restored, str(tmp_path / "n"), x)
     else:
@@ -104,9 +105,13 @@ def test_net001_compat_configs_full_cycle(tmp_path, api, cfg):
     if cfg.endswith("prune_complete.cfg"):  # prune-only, through either API: two identical files
         assert not read_record(rec).record
         assert open(fake, "rb").read() == open(deploy, "rb").read()
+        assert np.allclose(ort_run(fake, x), y.numpy(), atol=1e-4)  # float only: no quantizer to flip
     else:
         assert read_record(rec).record and open(fake, "rb").read() != open(deploy, "rb").read()
-    assert np.allclose(ort_run(fake, x), y.numpy(), atol=1e-4)
+        # Was allclose(atol=1e-4) on 8 samples, which one rounding-midpoint flip (a conv's last bit
+        # differing between oneDNN and ORT, on some CPU or some trained weights) fails. Now: most
+        # samples to float noise, every one within a flip; a wrong scale or zero point moves them all.
+        assert_same_quantized_function(y.numpy(), ort_run(fake, x), what=cfg)
 
 
 @pytest.mark.parametrize("name", ["MobileNetV2Tiny", "UNetTiny", "ResBlockNet"])
@@ -136,10 +141,16 @@ def test_prune_two_four_int8_train_restore_export_agree(tmp_path, name):
     amct.save_compressed_retrain_model(restored, rec, str(tmp_path / "m"), x)
     fake = ort_run(str(tmp_path / "m_fake_quant_model.onnx"), x)
     deploy = ort_run(str(tmp_path / "m_deploy_model.onnx"), x)
-    cos = float((fake * deploy).sum() / (np.linalg.norm(fake) * np.linalg.norm(deploy)))
-    assert cos >= 0.999, cos
+    # The deploy graph rounds differently by design (int32 biases, re-quantised outputs), and the
+    # barely trained float model (11-60 % accuracy, on CPU-dependent weights) has samples with
+    # top-2 margins of 0.01 on logits spanning 8: "argmax agrees on >= 99 %" failed for 7 of 24
+    # (seed, thread count) pairs here, as on the Intel CI. So the noise is bounded relative to the
+    # logit range (measured <= 0.017; a weight scale 5 % off in one layer fails this or the
+    # cosine, a wrong bias scale both), and argmax is compared where the margin beats twice that
+    # noise, which has to be a quarter of the samples (measured >= 58 %).
+    assert cosine(fake, deploy) >= 0.999  # measured >= 0.9998, UNetTiny's dense output included
     if fake.ndim == 2:
-        assert np.mean(fake.argmax(1) == deploy.argmax(1)) >= 0.99
+        assert_logits_agree(fake, deploy, max_rel_diff=0.04, min_decisive=0.25, what=name)
     assert int8_initializers(str(tmp_path / "m_deploy_model.onnx"))
     nm_shape = tuple(restored.get_submodule(NM_LAYER[name]).weight.shape)
     sparse = [(w, axis) for _, w, axis in layer_weights(str(tmp_path / "m_deploy_model.onnx")) if w.shape == nm_shape]
@@ -153,6 +164,8 @@ def test_prune_two_four_int8_accuracy_on_digits(tmp_path):
     model = amct.create_compressed_retrain_model(fp32, d.x_train[:1], cfg, str(tmp_path / "rec.txt"))
     assert channels(model, "conv2") < 64
     acc = retrain(model, epochs=5, lr=1e-3)
+    # Paired on the same 450 test digits. Over 6 (seed, thread count) pairs, which land on other
+    # weights as other CPUs do: -2..+1 digits against FP32. The bound allows 4 fewer.
     assert acc >= acc_fp32 - 0.01, (acc, acc_fp32)
 
 

@@ -13,6 +13,7 @@ from tests.acceptance.conftest import int8_initializers, ort_run
 from tests.acceptance.conftest import write_cfg as write
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
+from tests.numerics import assert_logits_agree, assert_same_quantized_function
 from tests.training import sgd_steps
 
 
@@ -39,11 +40,10 @@ def test_lifecycle_restore_is_exact_and_exports(tmp_path, name, batch):
     assert torch.allclose(y, y2, atol=1e-5)
     amct.save_compressed_retrain_model(restored, rec, str(tmp_path / "m"), x)
     fake, deploy = str(tmp_path / "m_fake_quant_model.onnx"), str(tmp_path / "m_deploy_model.onnx")
-    out = ort_run(fake, x)
-    ulp = np.finfo(np.float32).eps * float(np.abs(y.numpy()).max())
-    diff = np.abs(out - y.numpy())
-    # conv accumulation order can flip a rounding midpoint of a later quantizer: allow a few elements
-    assert np.mean(diff <= 16 * ulp) >= 0.99
+    # Was ">= 99 % of elements within 16 ulps": a rounding-midpoint flip moves all 10 logits of its
+    # sample (6 % of ResBlockNet's 16 x 10), and how often one happens depends on the CPU. Now:
+    # most elements to float noise, every one within a flip; a wrong scale moves them all.
+    assert_same_quantized_function(y.numpy(), ort_run(fake, x), what=name)
     assert int8_initializers(deploy)
     rec_text = open(rec).read()
     assert "scale_d" in rec_text and "scale_w" in rec_text
@@ -55,14 +55,19 @@ def test_qat_on_digits_within_one_point_of_fp32(tmp_path):
     cfg, rec = write(tmp_path, QUANT_CFG), str(tmp_path / "rec.txt")
     model = amct.create_compressed_retrain_model(fp32, d.x_train[:1], cfg, rec)
     acc = retrain(model, epochs=3, lr=5e-4)
+    # Paired on the same 450 test digits. Over 6 (seed, thread count) pairs, which land on other
+    # weights as other CPUs do: +0 digits against FP32 every time (FP32 98.9-99.3 %). The bound
+    # allows 4 fewer.
     assert acc >= acc_fp32 - 0.01, (acc, acc_fp32)
     amct.save_compressed_retrain_model(model, rec, str(tmp_path / "digits"), d.x_train[:1],
                                       dynamic_axes={"x": [0]})
     fake = ort_run(str(tmp_path / "digits_fake_quant_model.onnx"), d.x_test[:64])
     deploy = ort_run(str(tmp_path / "digits_deploy_model.onnx"), d.x_test[:64])
-    cos = float((fake * deploy).sum() / (np.linalg.norm(fake) * np.linalg.norm(deploy)))
-    assert cos >= 0.999
-    assert np.mean(fake.argmax(1) == deploy.argmax(1)) >= 0.99
+    # Was "cosine >= 0.999 and argmax agreement >= 0.99", which one digit with a top-2 margin
+    # below the deploy graph's rounding noise fails. Measured over 6 (seed, thread count) pairs:
+    # noise 0.0013-0.0017 of the logit range, >= 98 % of digits decisive, cosine >= 0.999998.
+    # int32 biases 2 % off give 0.012 and cosine 0.99989; both bounds fail that.
+    assert_logits_agree(fake, deploy, max_rel_diff=0.006, min_decisive=0.75, min_cosine=0.9999, what="digits")
 
 
 QUANT_COMPAT = [

@@ -14,6 +14,7 @@ from tests.acceptance.conftest import write_cfg as write
 from tests.acceptance.onnx_weights import group_nonzeros, layer_weights
 from tests.conftest import COMPAT
 from tests.models import MODELS, example_input
+from tests.numerics import assert_same_quantized_function
 from tests.training import sgd_steps
 
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: %d } } }\n"
@@ -60,9 +61,18 @@ def test_saved_onnx_is_two_four(tmp_path, name, layers, quant):
         assert int8_initializers(deploy)
     else:
         assert open(fake, "rb").read() == open(deploy, "rb").read()
+    # 16 example inputs through the file saved for x's shape: with INT8, one input may differ by a
+    # rounding-midpoint flip of a quantizer on another CPU (seen: UNetTiny trained from other
+    # weights failed allclose on its one input), so that case is held to
+    # assert_same_quantized_function (most elements to float noise, all within a flip).
+    inputs = [example_input(name, seed=s) for s in range(16)]
     with torch.no_grad():
-        y = model(x).numpy()
-    assert np.allclose(ort_run(fake, x), y, atol=1e-4 * max(1.0, float(np.abs(y).max())))
+        y = np.concatenate([model(i).numpy() for i in inputs])
+    out = np.concatenate([ort_run(fake, i) for i in inputs])
+    if quant:
+        assert_same_quantized_function(y, out, what=name)
+    else:  # float only: nothing to flip
+        assert np.allclose(out, y, atol=1e-4 * max(1.0, float(np.abs(y).max())))
 
 
 def test_two_four_and_int8_accuracy_on_digits(tmp_path):
@@ -70,6 +80,9 @@ def test_two_four_and_int8_accuracy_on_digits(tmp_path):
     d = digits_data()
     sparse = amct.create_prune_retrain_model(fp32, d.x_train[:1], write(tmp_path, NM % 0), str(tmp_path / "r1.txt"))
     acc_sparse = retrain(sparse, epochs=4, lr=1e-3)
+    # Paired on the same 450 test digits. Over 6 (seed, thread count) pairs, which land on other
+    # weights as other CPUs do: -2..+1 digits against FP32, 2:4 alone and with INT8. The bounds
+    # allow 4 and 6 fewer.
     assert acc_sparse >= acc_fp32 - 0.01, (acc_sparse, acc_fp32)
     both = amct.create_compressed_retrain_model(fp32, d.x_train[:1], write(tmp_path, NM % 0 + INT8), str(tmp_path / "r2.txt"))
     acc_both = retrain(both, epochs=4, lr=1e-3)

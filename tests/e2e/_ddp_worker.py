@@ -157,6 +157,7 @@ def scenario(api: str, outdir: str, rank: int, world: int) -> None:
         name = sess.get_inputs()[0].name
         onnx_out = np.concatenate([sess.run(None, {name: x_eval[i:i + 1].numpy()})[0] for i in range(8)])
         result["onnx_max_diff"] = float(np.abs(onnx_out - out.numpy()).max())
+        result["onnx_out"] = onnx_out.tolist()  # float32 values: exact through JSON
     with open(os.path.join(d, f"result_rank{rank}.json"), "w") as f:
         json.dump(result, f)
     del ddp, ddp2, opt, opt2, model, restored

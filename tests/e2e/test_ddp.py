@@ -18,12 +18,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
+from tests.conftest import checkout_env
 from tests.e2e._ddp_worker import train_digits
+from tests.numerics import assert_same_quantized_function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -31,7 +34,7 @@ ABORT_SIGNS = ("terminate called", "Aborted", "SIGABRT", "core dumped", "Traceba
 
 
 def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = checkout_env()
     cmd = [TORCHRUN if os.path.exists(TORCHRUN) else "torchrun", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stderr[-4000:]}"
@@ -87,9 +90,11 @@ def test_ddp_ranks_agree_record_restore_and_save(scenarios, api):
     for rank in (0, 1):
         result = json.loads((d / f"result_rank{rank}.json").read_text())
         assert result["restored_equal"] is True and result["resumed_step"] is True
-    # save_* took the DDP-wrapped model; ONNX Runtime agrees with it.
+    # save_* took the DDP-wrapped model; ONNX Runtime agrees with it. Was "max diff < 1e-4", which
+    # one rounding-midpoint flip of a quantizer (a conv's last bit differing between oneDNN and
+    # ORT, CPU-dependent) fails: most elements to float noise, all within a flip.
     result = json.loads((d / "result_rank0.json").read_text())
-    assert result["onnx_max_diff"] < 1e-4
+    assert_same_quantized_function(r0["out"].numpy(), np.array(result["onnx_out"], np.float32), what=api)
     assert (d / "model_deploy_model.onnx").stat().st_size > 0
 
 
@@ -137,6 +142,9 @@ def test_ddp_qat_on_digits_matches_single_process_accuracy(tmp_path):
     single_dir.mkdir()
     single = train_digits(workdir=str(single_dir))
     print(f"\ndigits QAT test accuracy: DDP 2 ranks {acc[0]:.4f}, single process {single:.4f}")
+    # The two runs round their gradient sums differently, so they end on other weights, as two
+    # CPUs would. Measured over 7 FP32 inits: single 97.8-98.9 %, DDP within 0-1 of the 450 test
+    # digits of it (the cosine schedule settles both); the bound allows 2.
     assert single > 0.95
     assert abs(acc[0] - single) <= 0.005
 

@@ -8,13 +8,13 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from examples.digits import load_digits
+from openamct.demo import bench
 from openamct.record.file_io import read_record
+from tests.conftest import checkout_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = ["prune_retrain.py", "compressed_retrain.py", "quant_retrain.py"]
@@ -22,7 +22,7 @@ SCRIPTS = ["prune_retrain.py", "compressed_retrain.py", "quant_retrain.py"]
 
 def run_script(name: str, out: str) -> str:
     # One torch thread: on a shared 2-core machine two spinning threads per process are slow.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = checkout_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), "--epochs", "2", "--out", out],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,10 +30,11 @@ def run_script(name: str, out: str) -> str:
 
 
 def deploy_accuracy(path: str) -> float:
+    """The scripts' own measurement (bench.session: 2 ORT threads, batches of 250), so the same
+    file gives the same logits bit for bit: ORT's default thread count is the machine's core
+    count, and another split of the work may round the float parts differently."""
     data = load_digits()
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    logits = sess.run(None, {"input": data.x_test.numpy()})[0]
-    return float(np.mean(logits.argmax(1) == data.y_test.numpy()))
+    return bench.onnx_accuracy(bench.session(path), data.x_test, data.y_test)
 
 
 def int8_initializers(path: str) -> int:
@@ -46,12 +47,14 @@ def test_example_script_runs_and_its_onnx_files_work(tmp_path, script):
     stdout = run_script(script, out)
     printed = {k: float(v) for k, v in re.findall(r"(FP32 accuracy|deploy ONNX accuracy|deploy ONNX) ([0-9.]+)", stdout)}
     deploy_key = "deploy ONNX accuracy" if script == "prune_retrain.py" else "deploy ONNX"
+    # 2 epochs: FP32 97.6-97.8 %, deploy 98.0-99.1 % measured over 4 inits, far above the bound.
     assert printed["FP32 accuracy"] > 0.85, stdout
     deploy = os.path.join(out, "digits_deploy_model.onnx")
     fake = os.path.join(out, "digits_fake_quant_model.onnx")
-    # What the script printed is what the file on disk does.
+    # What the script printed is what the file on disk does (same measurement: up to the print's
+    # 4 decimals).
     acc = deploy_accuracy(deploy)
-    assert acc == pytest.approx(printed[deploy_key], abs=1e-4)
+    assert acc == pytest.approx(printed[deploy_key], abs=5e-5)
     assert acc > 0.85
     record = read_record(os.path.join(out, "record.txt"))
     if script == "prune_retrain.py":

@@ -40,6 +40,7 @@ except ImportError as exc:
 import onnxruntime as ort  # noqa: E402
 
 import openamct as amct  # noqa: E402
+from tests.conftest import checkout_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = os.path.join(ROOT, "examples", "minilm_24_int8.cfg")
@@ -164,7 +165,7 @@ def test_example_script_runs(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = checkout_env(HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "minilm_distill.py"), "--config", "int8",
                            "--int8-steps", "2", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -31,11 +31,38 @@ def test_type_errors_name_the_argument(tmp_path, call, pattern):
         call(str(tmp_path / "rec.txt"))
 
 
-@pytest.mark.parametrize("axes", [{"input": "0"}, {"input": [-1]}, {0: [0]}, {"input": {0: 1}}, ["input"]])
-def test_malformed_dynamic_axes(tmp_path, axes):
-    model = amct.create_prune_retrain_model(Net001(), X, PRUNE_CFG, str(tmp_path / "rec.txt"))
-    with pytest.raises(ValueError, match="dynamic_axes"):
-        amct.save_prune_retrain_model(model, str(tmp_path / "m"), X, dynamic_axes=axes)
+@pytest.fixture(scope="module")
+def every_save(tmp_path_factory):
+    """save_* API name -> save(path, **kw), on a prune model and an initialised INT8 model."""
+    work = tmp_path_factory.mktemp("saves")
+    rec = str(work / "rec.txt")
+    pruned = amct.create_prune_retrain_model(Net001(), X, PRUNE_CFG, str(work / "prune_rec.txt"))
+    quant = amct.create_compressed_retrain_model(Net001(), X, QUANT_CFG, rec)
+    quant.eval()
+    quant(X)  # clips initialised: only the bad argument can stop the save
+    return {
+        "save_prune_retrain_model": lambda path, **kw: amct.save_prune_retrain_model(pruned, path, X, **kw),
+        "save_compressed_retrain_model": lambda path, **kw: amct.save_compressed_retrain_model(quant, rec, path, X, **kw),
+        "save_quant_retrain_model": lambda path, **kw: amct.save_quant_retrain_model(QUANT_CFG, quant, rec, path, X, **kw),
+    }
+
+
+# Upstream AMCT raises TypeError for a dynamic_axes that is not a dict at all.
+@pytest.mark.parametrize("axes", [["input"], [0], "input", ("input",), 0])
+def test_dynamic_axes_of_the_wrong_type_is_a_type_error(tmp_path, every_save, axes):
+    for name, save in every_save.items():
+        with pytest.raises(TypeError, match=rf"^dynamic_axes must be a dict .* got {type(axes).__name__}$"):
+            save(str(tmp_path / "m"), dynamic_axes=axes)
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".onnx")], name
+
+
+# A dict whose contents are wrong is a bad value, not a bad type.
+@pytest.mark.parametrize("axes", [{"input": "0"}, {"input": [-1]}, {0: [0]}, {"input": {0: 1}}, {"input": [True]}])
+def test_malformed_dynamic_axes(tmp_path, every_save, axes):
+    for name, save in every_save.items():
+        with pytest.raises(ValueError, match="dynamic_axes"):
+            save(str(tmp_path / "m"), dynamic_axes=axes)
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".onnx")], name
 
 
 def test_create_does_not_mutate_and_refuses_compressed_models(tmp_path):

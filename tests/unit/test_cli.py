@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from openamct.cli import main
-from tests.conftest import COMPAT, ROOT, compat_config
+from tests.conftest import COMPAT, ROOT, checkout_env, compat_config
 
 
 def test_inspect_prints_the_prune_complete_plan(capsys, monkeypatch):
@@ -61,5 +61,5 @@ def test_report_reads_upstream_record_as_json(capsys):
 
 def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "openamct")
-    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([exe, "--help"], env=checkout_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "inspect" in out.stdout and "verify" in out.stdout

@@ -20,6 +20,7 @@ import openamct as amct
 from examples.digits import load_digits
 from openamct.export.verify import format_verification, verify_pair
 from tests.models import MobileNetV2Tiny, ResBlockNet, TinyTransformerBlock
+from tests.numerics import assert_logits_agree, assert_same_quantized_function
 
 QUANT_CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -73,6 +74,8 @@ MODELS = {
     "PlainChain": PlainChain,
 }
 LINEARS = {"DigitsTransformer": 8}  # embed, q, k, v, out, fc1, fc2, head
+# Bound on max |deploy - fake-quant| / logit range (test_deploy_agrees_with_fake_quant_on_real_digits)
+DEPLOY_NOISE = {"ResBlockNet": 0.01, "MobileNetV2Tiny": 0.03, "DigitsTransformer": 0.008, "PlainChain": 0.01}
 
 
 def _train(model: nn.Module, x, y, steps: int, lr: float) -> nn.Module:
@@ -140,9 +143,13 @@ def test_deploy_agrees_with_fake_quant_on_real_digits(name, saved, digits):
     fake, deploy = saved[name]
     x = digits[2][:64].numpy()
     a, b = _session(fake).run(None, {"x": x})[0], _session(deploy).run(None, {"x": x})[0]
-    cos = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
-    agree = float((a.argmax(1) == b.argmax(1)).mean())
-    assert cos >= 0.999 and agree >= 0.99, f"{name}: cosine {cos:.6f}, argmax agreement {agree:.3f}"
+    # Was "cosine >= 0.999 and argmax agreement >= 0.99": the latter holds only while no sample's
+    # top-2 margin is as small as the deploy graph's rounding noise, which depends on where
+    # training lands on each CPU. Now the noise is bounded per model at ~3x its measured maximum
+    # relative to the logit range (6 (seed, thread count) pairs: ResBlockNet 0.0025-0.0031,
+    # MobileNetV2Tiny 0.008-0.011, DigitsTransformer 0.0019-0.0026, PlainChain 0; cosine >=
+    # 0.99991; >= 94 % of the digits decisive). int32 biases 5 % off give 0.046 / 0.048 / 0.022.
+    assert_logits_agree(a, b, max_rel_diff=DEPLOY_NOISE[name], min_decisive=0.75, min_cosine=0.9995, what=name)
 
 
 @pytest.mark.parametrize("name", ["ResBlockNet", "MobileNetV2Tiny", "DigitsTransformer"])
@@ -190,7 +197,13 @@ def test_exactly_placed_quantizers_reproduce_the_fake_quant_model(saved, digits)
     level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the graph's own float semantics
     a, b = _session(fake, level).run(None, {"x": x})[0], _session(deploy, level).run(None, {"x": x})[0]
     ulp = np.spacing(np.float32(np.abs(a).max()))
-    assert np.abs(a - b).max() <= 16 * ulp
+    # Was "every element within 16 ulps". QuantizeLinear's x / s and the fake quant's x * (1 / s)
+    # round to different integers for about 3 in 10^6 values (the last bit at a .5), so on some
+    # CPU's trained weights one of the 64 digits may move a quantization step (estimated ~10 %
+    # per set of weights). 90 % of the elements (nearly every sample) must still be within 16 ulps,
+    # which a misplaced or rescaled Q/DQ fails; the rest within one flip.
+    assert_same_quantized_function(a, b, noise_rel=16 * ulp / float(a.max() - a.min()), min_clean=0.9,
+                                   what="PlainChain")
 
 
 def test_verify_pair_reports_agreement_and_latency(saved):

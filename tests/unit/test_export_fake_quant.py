@@ -1,8 +1,9 @@
 """Fake-quant ONNX export and the file-writing contract of export_pair.
 
 The fake-quant model must reproduce the compressed model in eval mode in ONNX Runtime: its
-quantizers bit for bit (checked directly), whole models within a few float32 ulps (the float
-convs/matmuls of the two runtimes may still round differently: openamct/export/fake_quant.py).
+quantizers bit for bit (checked directly), whole models to float noise except where a float
+conv/matmul of the two runtimes rounded its last bit differently right at a rounding midpoint of
+the next quantizer (openamct/export/fake_quant.py; tests/numerics.py says how often and how much).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.export.fake_quant import FakeQuantAct
 from openamct.export.writer import export_onnx, export_pair
 from tests.models import MODELS, example_input
+from tests.numerics import assert_same_quantized_function
 
 QUANT_CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -85,11 +87,15 @@ def test_fake_quant_onnx_matches_compressed_model_in_eval(name, tmp_path):
     proto = onnx.load(str(tmp_path / "fake_quant_model.onnx"))
     assert not any(n.op_type in ("QuantizeLinear", "BatchNormalization") for n in proto.graph.node)
     assert sum(n.op_type == "Round" for n in proto.graph.node) >= 1
+    # Was "<= 8 ulps" on the one example input: one rounding-midpoint flip fails that, and how
+    # often flips happen depends on the CPU (tests/numerics.py). 16 inputs, most elements to
+    # float noise, all within a flip: a quantizer scale 0.1 % off fails it.
+    inputs = [example_input(name, seed=s) for s in range(16)]
+    sess = ort.InferenceSession(str(tmp_path / "fake_quant_model.onnx"), providers=["CPUExecutionProvider"])
     with torch.no_grad():
-        ref = c(x).numpy()
-    y = _run(str(tmp_path / "fake_quant_model.onnx"), {"x": x.numpy()})[0]
-    ulp = np.spacing(np.float32(np.abs(ref).max()))
-    assert np.abs(y - ref).max() <= 8 * ulp, f"{name}: {np.abs(y - ref).max() / ulp:.1f} ulps"
+        ref = np.concatenate([c(i).numpy() for i in inputs])
+    y = np.concatenate([sess.run(None, {"x": i.numpy()})[0] for i in inputs])
+    assert_same_quantized_function(ref, y, what=name)
 
 
 def test_fake_quant_weights_are_the_fake_quantized_values(tmp_path):
@@ -204,7 +210,7 @@ class _KwargNet(nn.Module):
 
 
 def test_dict_input_data_and_data_parallel_wrapper(tmp_path):
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(16, 3, 8, 8)
     c, rec = _compressed(_KwargNet(), {"pixel_values": x}, tmp_path)
     with torch.no_grad():
         ref = c(pixel_values=x).numpy()
@@ -212,4 +218,5 @@ def test_dict_input_data_and_data_parallel_wrapper(tmp_path):
     proto = onnx.load(str(tmp_path / "f.onnx"))
     assert [i.name for i in proto.graph.input] == ["pixel_values"]
     y = _run(str(tmp_path / "f.onnx"), {"pixel_values": x.numpy()})[0]
-    np.testing.assert_allclose(y, ref, atol=1e-5)
+    # INT8 quantizers in a float graph: allclose(atol=1e-5) assumed no rounding-midpoint flip
+    assert_same_quantized_function(ref, y, what="dict input")
