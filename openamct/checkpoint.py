@@ -62,11 +62,16 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
             odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
             raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
         if key.endswith("act_quant.clip_max"):
-            cmin_key = key[:-len("clip_max")] + "clip_min"
+            # The quantizer uses max(clip_max, 0) and min(clip_min, 0) (or 0 with fixed_min), and
+            # training may carry the raw values across each other: only an empty range is wrong.
+            prefix = key[:-len("clip_max")]
+            cmin_key = prefix + "clip_min"
             cmax, cmin = float(value), float(sd.get(cmin_key, torch.tensor(0.0)))
-            if not cmax > cmin:
-                raise ValueError(f"{where}: inverted clips: {key!r} = {cmax:g} is not above {cmin_key!r} = "
-                                 f"{cmin:g}")
+            fixed = bool(sd.get(prefix + "fixed_min", torch.tensor(False)))
+            lo, hi = (0.0 if fixed else min(cmin, 0.0)), max(cmax, 0.0)
+            if not hi > lo:
+                raise ValueError(f"{where}: inverted clips: {key!r} = {cmax:g} and {cmin_key!r} = {cmin:g} leave "
+                                 "the quantizer an empty range (it uses max(clip_max, 0) .. min(clip_min, 0))")
 
 
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:

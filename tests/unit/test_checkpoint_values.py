@@ -50,8 +50,6 @@ def _edit(sd, key, fn):
 CASES = [
     ("conv.weight", lambda t: t.mul(100).long(), r"'conv.weight' has dtype torch.int64 but the model's is torch.float32"),
     ("fc.weight", lambda t: t.index_fill_(1, torch.tensor([0]), float("nan")), r"'fc.weight' holds 4 NaN/inf value"),
-    ("conv.act_quant.clip_max", lambda t: t.fill_(-100.0), r"inverted clips: 'conv.act_quant.clip_max' = -100 is not above "
-                                                          r"'conv.act_quant.clip_min'"),
     ("conv.sparsity.mask", lambda t: t.fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
     ("conv.sparsity.mask", lambda t: t.fill_(1.0), r"'conv.sparsity.mask' is not a 2:4 mask: \d+ group\(s\) of 4 weights "
                                                    r"keep more than 2 \(1152 of 1152 weights kept\)"),
@@ -70,3 +68,23 @@ def test_the_clean_checkpoint_restores(trained):
     d, sd = trained
     m = _restore(d, sd, "good.pth")
     assert torch.equal(m.state_dict()["conv.weight"], sd["conv.weight"])
+
+
+def test_clips_that_leave_no_range_are_refused(trained):
+    d, sd = trained
+    bad = _edit(_edit(sd, "conv.act_quant.clip_max", lambda t: t.fill_(-100.0)), "conv.act_quant.clip_min",
+                lambda t: t.fill_(5.0))
+    with pytest.raises(ValueError, match=r"inverted clips: 'conv.act_quant.clip_max' = -100 and "
+                                         r"'conv.act_quant.clip_min' = 5 leave the quantizer an empty range"):
+        _restore(d, bad)
+
+
+def test_raw_clips_that_crossed_in_training_still_restore(trained):
+    """Training moves the raw parameters freely; the quantizer uses max(clip_max, 0) and
+    min(clip_min, 0), so clip_min 3 above clip_max 2 is a state openamct itself produces
+    (seen in the zoo's MobileNetV2 after two SGD steps) and must resume."""
+    d, sd = trained
+    crossed = _edit(_edit(sd, "conv.act_quant.clip_max", lambda t: t.fill_(2.0)), "conv.act_quant.clip_min",
+                    lambda t: t.fill_(3.0))
+    m = _restore(d, crossed, "crossed.pth")
+    assert float(m.state_dict()["conv.act_quant.clip_min"]) == 3.0
