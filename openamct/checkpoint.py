@@ -9,6 +9,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from openamct.log_summary import warn_grouped
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +50,7 @@ def read_state_dict(pth_file: str, state_dict_name: str | None) -> Mapping[str, 
 def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], pth_file: str) -> None:
     """Each value as it enters: dtype kind, finiteness, 0/1 masks, clip order (issue 16)."""
     where = f"pth_file {pth_file!r}"
+    collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
         value = sd[key]
         if value.is_floating_point() != mine.is_floating_point() or (
@@ -62,17 +65,21 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
             odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
             raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
         if key.endswith("act_quant.clip_max"):
-            # The quantizer uses max(clip_max, 0) and min(clip_min, 0) (or 0 with fixed_min), and
-            # training may carry the raw values across each other: only an empty range is wrong.
+            # The quantizer uses max(clip_max, 0) and min(clip_min, 0) (or 0 with fixed_min). Training
+            # itself can drive the raw values across each other, even to an empty range (a collapsed
+            # quantizer; seen in the zoo's MobileNetV2): a resume must take what training made, so
+            # an empty range is reported, not refused.
             prefix = key[:-len("clip_max")]
             cmin_key = prefix + "clip_min"
             cmax, cmin = float(value), float(sd.get(cmin_key, torch.tensor(0.0)))
             fixed = bool(sd.get(prefix + "fixed_min", torch.tensor(False)))
             lo, hi = (0.0 if fixed else min(cmin, 0.0)), max(cmax, 0.0)
             if not hi > lo:
-                raise ValueError(f"{where}: inverted clips: {key!r} = {cmax:g} and {cmin_key!r} = {cmin:g} leave "
-                                 "the quantizer an empty range (it uses max(clip_max, 0) .. min(clip_min, 0))")
+                collapsed.append((key[:-len(".act_quant.clip_max")],
+                                  f"inverted clips ({key!r} = {cmax:g}, {cmin_key!r} = {cmin:g}) leave the "
+                                  "quantizer an empty range: its input quantizes to one value"))
 
+    warn_grouped(logger, f"{where}: collapsed activation quantizer(s)", collapsed)
 
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
     """Load strictly; a checkpoint of another model is a ValueError listing what differs."""

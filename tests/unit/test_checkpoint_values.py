@@ -70,13 +70,19 @@ def test_the_clean_checkpoint_restores(trained):
     assert torch.equal(m.state_dict()["conv.weight"], sd["conv.weight"])
 
 
-def test_clips_that_leave_no_range_are_refused(trained):
+def test_clips_that_leave_no_range_are_reported(trained, caplog):
+    """Training can collapse a quantizer (the zoo's MobileNetV2 does): the resume takes it, and
+    says so in one WARNING naming the layer."""
+    import logging
+
     d, sd = trained
     bad = _edit(_edit(sd, "conv.act_quant.clip_max", lambda t: t.fill_(-100.0)), "conv.act_quant.clip_min",
                 lambda t: t.fill_(5.0))
-    with pytest.raises(ValueError, match=r"inverted clips: 'conv.act_quant.clip_max' = -100 and "
-                                         r"'conv.act_quant.clip_min' = 5 leave the quantizer an empty range"):
+    with caplog.at_level(logging.WARNING, logger="openamct.checkpoint"):
         _restore(d, bad)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("collapsed activation quantizer" in w and "'conv.act_quant.clip_max' = -100" in w
+               and "empty range" in w and "[conv]" in w for w in warnings), warnings
 
 
 def test_raw_clips_that_crossed_in_training_still_restore(trained):

@@ -92,9 +92,7 @@ def test_checkpoint_values(base, data):
             assert bool(torch.isfinite(v).all()), k
         if k.endswith(".mask"):
             assert bool(((v == 0) | (v == 1)).all()), k
-    for name in ("conv1", "conv2", "fc"):  # a usable range: the quantizer clamps cmax >= 0 >= cmin
-        lo = 0.0 if bool(out[f"{name}.act_quant.fixed_min"]) else min(float(out[f"{name}.act_quant.clip_min"]), 0.0)
-        assert max(float(out[f"{name}.act_quant.clip_max"]), 0.0) > lo
+    # clips: any finite pair is a state training can produce (an empty range is reported, not refused)
 
 
 INTS = st.one_of(st.integers(-300, 300), st.sampled_from([-2**31, 2**31 - 1, -129, -128, 127, 128]))
