@@ -11,45 +11,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import openamct as amct
 from openamct.record.file_io import read_record, record_to_text
 from tests.hang import no_hang
+from tests.trained_record import Net, X, compress_and_train
 
 FUZZ = settings(derandomize=True, deadline=5000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-CFG = """retrain_data_quant_config { ulq_quantize { } }
-retrain_weight_quant_config { arq_retrain { } }
-prune_config { n_out_of_m_pruner { l1_selective_prune { } } }
-override_layer_configs { layer_name: "conv1" prune_config { filter_pruner {
-  balanced_l2_norm_filter_prune { prune_ratio: 0.5 ascend_optimized: false } } } }
-"""
-X = torch.randn(2, 4, 6, 6)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(4, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv2(torch.relu(self.conv1(x)))).mean(dim=(2, 3)))
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("fv")
-    (d / "c.cfg").write_text(CFG)
-    m = amct.create_compressed_retrain_model(Net(), X, str(d / "c.cfg"), str(d / "rec.txt"))
-    m.train()
-    m(X)
-    m.eval()
-    m(X)
-    sd = {k: v.clone() for k, v in m.state_dict().items()}
-    torch.save({"sd": sd}, d / "ck.pth")
+    sd = compress_and_train(d)
     return d, sd, read_record(str(d / "rec.txt"))
 
 

@@ -4,42 +4,16 @@ each bad one is a ValueError naming the record file, the entry, the layer and th
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
 import openamct as amct
 from openamct.record.file_io import read_record, record_to_text
-
-CFG = """retrain_data_quant_config { ulq_quantize { } }
-retrain_weight_quant_config { arq_retrain { } }
-prune_config { n_out_of_m_pruner { l1_selective_prune { } } }
-override_layer_configs { layer_name: "conv1" prune_config { filter_pruner {
-  balanced_l2_norm_filter_prune { prune_ratio: 0.5 ascend_optimized: false } } } }
-"""
-X = torch.randn(2, 4, 6, 6)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(4, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv2(torch.relu(self.conv1(x)))).mean(dim=(2, 3)))
+from tests.trained_record import Net, X, compress_and_train
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("rv")
-    (d / "c.cfg").write_text(CFG)
-    m = amct.create_compressed_retrain_model(Net(), X, str(d / "c.cfg"), str(d / "rec.txt"))
-    m.train()
-    m(X)
-    m.eval()
-    m(X)
-    torch.save({"sd": m.state_dict()}, d / "ck.pth")
+    compress_and_train(d)
     return d, read_record(str(d / "rec.txt"))
 
 
