@@ -37,3 +37,19 @@ def compress_and_train(d) -> dict:
     sd = {k: v.clone() for k, v in m.state_dict().items()}
     torch.save({"sd": sd}, d / "ck.pth")
     return sd
+
+
+# A smaller one for the checkpoint and save tests: one conv (2:4, INT8) and a Linear head.
+CONV_FC_CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+               "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n")
+CONV_FC_X = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(1))
+
+
+class ConvFcNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))

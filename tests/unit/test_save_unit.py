@@ -12,25 +12,13 @@ import sys
 import onnx
 import pytest
 import torch
-from torch import nn
 
 import openamct as amct
 from openamct.export.verify import verify_pair
 from openamct.export.writer import SAVE_ID_KEY
-
-CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-       "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n")
-X = torch.randn(2, 8, 6, 6)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+from tests.trained_record import CONV_FC_CFG as CFG  # noqa: E402
+from tests.trained_record import CONV_FC_X as X  # noqa: E402
+from tests.trained_record import ConvFcNet as Net  # noqa: E402
 
 
 def _model(tmp_path, seed):
