@@ -10,9 +10,9 @@
    with them).
 3. The greedy search runs on that prediction. Then the pruned FP32 model itself (the channels
    ``create_prune_retrain_model`` would remove) is exported and timed interleaved with the
-   FP32 one; if the measured speed-up misses the request by more than 5 %, the target is
-   corrected by the miss and the search re-run (at most twice). The report holds the measured
-   figures.
+   FP32 one; if the measured speed-up misses the request by more than 5 %, the table is
+   calibrated on that measurement and the search re-run (at most twice). Of the plans measured,
+   the one that best meets the request is kept; the report holds its measured figures.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _time_model(model: onnx.ModelProto, shape, folder: str, runs: int = 15) -> f
     onnx.save(model, path)
     s = session(path, THREADS)
     return latency_ms({"m": s}, np.random.default_rng(1).standard_normal(shape).astype(np.float32), runs=runs,
-                      warmup=3)["m"]
+                      warmup=3, min_s=0.03)["m"]
 
 
 @dataclass
@@ -191,7 +191,7 @@ def _measure(work, sample, space: SearchSpace, folder: str, runs: int = 30) -> t
         _export(work, sample, fp32)
     _export(_pruned_copy(work, space), sample, pruned)
     feed = sample.numpy() if hasattr(sample, "numpy") else np.asarray(sample)
-    lat = latency_ms({"fp32": session(fp32), "pruned": session(pruned)}, feed, runs=runs)
+    lat = latency_ms({"fp32": session(fp32), "pruned": session(pruned)}, feed, runs=runs, min_s=1.0)
     return lat["fp32"], lat["pruned"]
 
 
@@ -203,7 +203,7 @@ def latency_budget(work, sample, graph, space: SearchSpace, settings):
     folder = tempfile.mkdtemp(prefix="openamct-latency-")
     fp32 = os.path.join(folder, "fp32.onnx")
     _export(work, sample, fp32)
-    fp32_ms = latency_ms({"fp32": session(fp32)}, sample.numpy(), runs=30)["fp32"]
+    fp32_ms = latency_ms({"fp32": session(fp32)}, sample.numpy(), runs=30, min_s=0.5)["fp32"]
     table = LatencyTable(work, graph, space, fp32_ms)
     best = table.predict(space.smallest())
     if fp32_ms / best < settings.compress_ratio:
@@ -215,26 +215,50 @@ def latency_budget(work, sample, graph, space: SearchSpace, settings):
     return budget
 
 
+def _calibrated_target(table: LatencyTable, space: SearchSpace, kept: list[int], asked: float,
+                       measured: float) -> float:
+    """The predicted ms to search for next: the table's error on ``kept`` (predicted/measured
+    speed-up, clamped to [2/3, 3/2] so one noisy measurement cannot swing the plan to "prune
+    nothing" or "prune everything") applied to the request, within what the space can reach."""
+    predicted = table.fp32_ms / table.predict(kept)
+    factor = min(max(predicted / measured, 2 / 3), 3 / 2)
+    target = table.fp32_ms / (asked * factor)
+    return min(max(target, table.predict(space.smallest())), table.predict(space.channels()))
+
+
 def refine(work, sample, space: SearchSpace, settings, budget, alg, report) -> None:
-    """Measure the pruned model; correct the target and search again when it misses."""
+    """Measure the pruned model; when it misses the request, calibrate the table on that
+    measurement and search again (at most twice). The plan kept is the measured one that best
+    meets the request, not merely the last one tried."""
     import shutil
 
     table, asked = budget.table, settings.compress_ratio
+    tried: list[tuple[list[int], float, float]] = []  # (kept, fp32 ms, pruned ms)
     try:
-        fp32_ms, pruned_ms = _measure(work, sample, space, budget.folder)
-        for _ in range(2):
-            measured = fp32_ms / pruned_ms
-            if abs(measured / asked - 1) <= TOLERANCE:
+        for attempt in range(3):
+            kept = space.kept()
+            if any(kept == k for k, _, _ in tried) or (attempt and kept == space.channels()):
                 break
-            budget.target = min(budget.target * measured / asked, table.predict(space.channels()))
-            logger.info("latency budget: measured %.2fx for %.2fx asked; searching again for a predicted %.2fx",
-                        measured, asked, fp32_ms / budget.target)
-            kept = alg.search(space, budget.cost, budget.target)
-            for g, k in zip(space.groups, kept, strict=True):
-                g.kept = k
             fp32_ms, pruned_ms = _measure(work, sample, space, budget.folder)
+            tried.append((kept, fp32_ms, pruned_ms))
+            measured = fp32_ms / pruned_ms
+            if abs(measured / asked - 1) <= TOLERANCE or attempt == 2:
+                break
+            target = _calibrated_target(table, space, kept, asked, measured)
+            logger.info("latency budget: measured %.2fx for %.2fx asked; searching again for a predicted %.2fx",
+                        measured, asked, table.fp32_ms / target)
+            for g, k in zip(space.groups, alg.search(space, budget.cost, target), strict=True):
+                g.kept = k
     finally:
         shutil.rmtree(budget.folder, ignore_errors=True)
+
+    def miss(t):  # prefer plans that meet the request, then the closest
+        speedup = t[1] / t[2]
+        return (speedup < asked * (1 - TOLERANCE), abs(speedup / asked - 1))
+
+    kept, fp32_ms, pruned_ms = min(tried, key=miss)
+    for g, k in zip(space.groups, kept, strict=True):
+        g.kept = k
     report.latency = {"batch": int(sample.shape[0]), "threads": THREADS, "fp32_ms": fp32_ms, "pruned_ms": pruned_ms,
-                      "speedup": fp32_ms / pruned_ms, "predicted_speedup": table.fp32_ms / table.predict(space.kept()),
-                      "points": table.points, "table_s": table.seconds}
+                      "speedup": fp32_ms / pruned_ms, "predicted_speedup": table.fp32_ms / table.predict(kept),
+                      "points": table.points, "table_s": table.seconds, "tried": len(tried)}
