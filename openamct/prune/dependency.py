@@ -2,7 +2,8 @@
 
 One pass over the captured graph in execution order. Every Conv/Linear call starts a
 channel space (a group id); each tensor carries a ``ChannelMap`` of its tracked axis.
-Channel-preserving ops pass maps on, BatchNorms and depthwise convs come along passively,
+Channel-preserving ops pass maps on, BatchNorms, depthwise convs and per-channel parameter
+owners (norms over the channels, GRN, LayerScale: ``channel_params``) come along passively,
 element-wise ops between two channel-carrying tensors couple their groups (union-find),
 concat joins the spaces and flatten expands them. Conv/Linear layers reading a tracked
 tensor are consumers. Any other use of the channel axis blocks the groups involved.
@@ -14,12 +15,15 @@ import logging
 import math
 from dataclasses import dataclass
 
+from torch import nn
+
 from openamct.config.specs import FilterSpec, Plan
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorArg, TensorInfo
 from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
 from openamct.log_summary import warn_grouped
+from openamct.prune.channel_params import PARAMETER, Owner, owner_of, parameter_owner
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
 from openamct.prune.index_mapping import (
     AXIS_OPS,
@@ -95,8 +99,9 @@ def _describe(t: TensorInfo) -> str:
 
 
 class _Analysis:
-    def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan) -> None:
-        self.graph, self.layers, self.plan = graph, layers, plan
+    def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan,
+                 modules: dict[str, nn.Module]) -> None:
+        self.graph, self.layers, self.plan, self.modules = graph, layers, plan, modules
         self.maps: dict[int, ChannelMap] = {}  # TensorInfo.key -> map of its tracked axis
         self.sources: list[_Source] = []
         self.parent: list[int] = []
@@ -167,11 +172,37 @@ class _Analysis:
                 self.passthrough(node, ins[0], cmap)
         elif node.op in UNARY_MODULES and len(ins) == 1 and node.inputs[0] is ins[0]:
             self.passthrough(node, ins[0], self.maps[ins[0].key])
+        elif node.name in self.modules and not (node.op in ("Flatten", "Unflatten") and len(ins) == 1):
+            self.owner(node, ins)
         elif node.op in ("Flatten", "Unflatten") and len(ins) == 1:
             self.follow(node, ins[0])
         else:
             self.block(ins, node.name, f"module {node.name!r} ({node.op}) uses the channels in a way "
                                        "filter pruning cannot follow")
+
+    def owner(self, node: Node, ins: list[TensorInfo]) -> None:
+        """A module that may hold per-channel vectors of the tracked axis: it follows (its
+        vectors are sliced, GroupNorm adds its group count to the equal-removal blocks)."""
+        cmap = self.maps[ins[0].key]
+        if len(ins) > 1 or node.inputs[0] is not ins[0]:
+            found: Owner | str = f"module {node.name!r} ({node.op}) reads the channels of a second tensor"
+        elif len(self.graph.module_calls.get(node.name, [])) != 1:
+            found = f"module {node.name!r} ({node.op}) is called more than once"
+        else:
+            found = owner_of(node.name, self.modules[node.name], ins[0].shape,
+                             [o.shape for o in node.outputs], cmap.axis)
+        if isinstance(found, str):
+            self.block(ins, node.name, found)
+            return
+        if found.fold > 1:
+            if any(offset or seg.size % found.fold or seg.repeat > 1 for seg, offset in cmap.placed()) \
+                    or len(cmap.segments) != 1:
+                self.block(ins, node.name, f"GroupNorm {node.name!r} (groups={found.fold}) reads channels of "
+                                           "several layers or a flattened axis")
+                return
+            self.folds[cmap.segments[0].gid].append(found.fold)
+        self.add_members(cmap, node.name, found.op_type, "passive")
+        self.passthrough(node, ins[0], cmap)
 
     def layer(self, node: Node, info: LayerInfo, ins: list[TensorInfo]) -> None:
         out = node.outputs[0] if node.outputs else None
@@ -281,13 +312,21 @@ class _Analysis:
             self.block(inputs, node.name, f"{node.op} combines tensors tracked on different axes")
             return None
         axis, ref = axes.pop(), next(iter(tracked.values()))
+        params = []  # per-channel parameters (LayerScale): sliced with the channels
         for t in inputs:
             if t.key not in tracked:
-                if broadcast_dim(t.shape, ndim, axis) is not None:
-                    self.block(inputs, node.name, f"{node.op} combines the channels with a tensor no prunable "
-                                                  f"layer produces ({_describe(_origin(t))})")
-                    return None
-                continue
+                if broadcast_dim(t.shape, ndim, axis) is None:
+                    continue
+                vector = self.per_channel_param(node, t, ndim, axis, ref.size)
+                if vector and len(t.consumers) == 1:
+                    params.append(t)
+                    continue
+                why = (f"parameter {t.param_name!r} holds one value per channel but is read by {len(t.consumers)} "
+                       "ops (slicing it would change the others)" if vector else
+                       f"{node.op} combines the channels with a tensor no prunable layer produces "
+                       f"({_describe(_origin(t))})")
+                self.block(inputs, node.name, why)
+                return None
             pairs = align(ref, tracked[t.key])
             if pairs is None or any((a is None) != (b is None) for a, b in pairs):
                 self.block(inputs, node.name, f"{node.op} combines channel layouts that do not line up")
@@ -296,7 +335,14 @@ class _Analysis:
             for a, b in align(ref, m):
                 if a is not None:
                     self.union(a, b)
+        for t in params:
+            self.add_members(ref, t.param_name, PARAMETER, "passive")
         return ref.moved(axis)
+
+    def per_channel_param(self, node: Node, t: TensorInfo, ndim: int, axis: int, channels: int) -> bool:
+        """A model parameter with one value per channel (LayerScale), read by an element-wise op."""
+        return (t.producer is None and t.param_name is not None and node.op in ("mul", "add", "sub", "div")
+                and parameter_owner(t.shape, ndim, axis, channels))
 
     def concat(self, node: Node) -> None:
         tensors = [node.inputs[a.pos] for a in _arg(node, 0, "tensors") if isinstance(a, TensorArg)]
@@ -378,10 +424,12 @@ class _Analysis:
         return PruneGroup(producers, consumers, passive, srcs[0].channels, prune_group, ratio, ascend)
 
 
-def analyse(graph: Graph, layers: dict[str, LayerInfo], plan: Plan) -> tuple[list[PruneGroup], list[BlockedGroup]]:
+def analyse(graph: Graph, layers: dict[str, LayerInfo], plan: Plan, model: nn.Module | None = None,
+            ) -> tuple[list[PruneGroup], list[BlockedGroup]]:
     """Coupled channel groups of the layers ``plan`` filter-prunes, and the groups that cannot
-    be pruned (each logged once with the node that stops it and why)."""
-    groups, blocked = _Analysis(graph, layers, plan).run()
+    be pruned (each logged once with the node that stops it and why). ``model`` (the one the
+    graph was captured from) lets per-channel parameter owners follow; without it they block."""
+    groups, blocked = _Analysis(graph, layers, plan, dict(model.named_modules()) if model is not None else {}).run()
     unseen = [name for name in layers if not graph.module_calls.get(name)]
     if groups and unseen:
         # The graph is the path input_data took in eval mode: a training-only branch or the

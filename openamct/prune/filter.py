@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
+from openamct.prune.channel_params import PARAMETER, owner_size, sliced, vector_dim
 from openamct.prune.group import PruneGroup
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,9 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
 # -- physical removal ------------------------------------------------------------------------
 
 def _gather(model: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, set[int]]]:
-    """module name -> {"out": positions, "in": positions} in original coordinates."""
-    modules = dict(model.named_modules())
+    """module (or bare parameter) name -> {"out": positions, "in": positions} in original
+    coordinates."""
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
     cuts: dict[str, dict[str, set[int]]] = {}
     for g in groups:
         if not g.removed:
@@ -83,8 +85,9 @@ def _gather(model: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, s
         for m in g.members():
             if m.is_function:
                 continue
-            if m.name not in modules:
-                raise ValueError(f"filter prune: layer {m.name!r} does not exist in the model")
+            if m.name not in (params if m.op_type == PARAMETER else modules):
+                what = "parameter" if m.op_type == PARAMETER else "layer"
+                raise ValueError(f"filter prune: {what} {m.name!r} does not exist in the model")
             axis = "in" if m.role == "consumer" else "out"
             cuts.setdefault(m.name, {"out": set(), "in": set()})[axis].update(m.positions(g.removed))
     return cuts
@@ -160,6 +163,11 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         if m.bias is not None:
             tensors["bias"] = m.bias.data[outs]
         return tensors, {"nf": len(outs)} | ({"nx": len(ins)} if hasattr(m, "nx") else {})
+    if isinstance(m, nn.GroupNorm) and m.num_groups not in (1, m.num_channels):
+        kept = _blockwise(m.num_channels, m.num_groups, out_cut | in_cut, f"{name}.num_channels")
+        return sliced(m, [b * (m.num_channels // m.num_groups) + i for b, k in enumerate(kept) for i in k])
+    if not isinstance(m, BATCHNORM_TYPES) and (n := owner_size(m)) is not None:  # norms, GRN, LayerScale
+        return sliced(m, _keep(n, out_cut | in_cut, f"{name} (per-channel parameters)"))
     if isinstance(m, BATCHNORM_TYPES):
         keep = _keep(m.num_features, out_cut | in_cut, f"{name}.num_features")
         tensors = {a: getattr(m, a).data[keep] for a in ("weight", "bias", "running_mean", "running_var")
@@ -180,10 +188,22 @@ def _commit(m: nn.Module, edit: Edit) -> None:
         setattr(m, attr, value)
 
 
+def _param_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, Edit]:
+    """A bare per-channel parameter (LayerScale's gamma): sliced on its one long dim."""
+    owner_name, _, attr = name.rpartition(".")
+    p = model.get_parameter(name)
+    if owner_size(p) is None:
+        raise ValueError(f"filter prune: parameter {name!r} {tuple(p.shape)} is not a per-channel vector")
+    keep = torch.tensor(_keep(p.shape[vector_dim(p)], cut, name), dtype=torch.long)
+    return model.get_submodule(owner_name), ({attr: p.data.index_select(vector_dim(p), keep)}, {})
+
+
 def _edits(model: nn.Module, groups: list[PruneGroup]) -> list[tuple[nn.Module, Edit]]:
-    modules = dict(model.named_modules())
+    modules, params = dict(model.named_modules()), {m.name for g in groups for m in g.passive
+                                                    if m.op_type == PARAMETER}
     with torch.no_grad():
-        return [(modules[name], _edit(name, modules[name], cut["out"], cut["in"]))
+        return [_param_edit(model, name, cut["out"]) if name in params
+                else (modules[name], _edit(name, modules[name], cut["out"], cut["in"]))
                 for name, cut in _gather(model, groups).items() if cut["out"] or cut["in"]]
 
 

@@ -277,7 +277,9 @@ def test_index_axis_and_follow():
     assert follow("mean", ((0,), (2, 3)), {}, (2, 8, 4, 4), (2, 8), 1) == (1, 1)
     assert isinstance(follow("mean", ((0,), 1), {}, (2, 8, 4, 4), (2, 4, 4), 1), str)
     assert follow("transpose", ((0,), 2, 3), {}, (2, 8, 4, 4), (2, 8, 4, 4), 1) == (1, 1)
-    assert "moves" in follow("permute", ((0,), 0, 2, 3, 1), {}, (2, 8, 4, 4), (2, 4, 4, 8), 1)
+    # transpose/permute move the channel axis (consumers check the axis they read it on)
+    assert follow("permute", ((0,), 0, 2, 3, 1), {}, (2, 8, 4, 4), (2, 4, 4, 8), 1) == (3, 1)
+    assert follow("transpose", ((0,), 1, 2), {}, (2, 8, 16), (2, 16, 8), 1) == (2, 1)
 
 
 def test_segments_concat_expand_and_align():

@@ -23,6 +23,12 @@ from tests.zoo.lifecycle import CONFIGS, run
 
 pytestmark = pytest.mark.slow
 
+# Families where prune_ratio 0.3 reaches >= 25 % of the compressed layers' weight (issue 15): the
+# filter-prune groups get through norms over the channels, GRN, LayerScale and permutes. The
+# transformers not listed stop at the attention heads (see docs/limits.md).
+PRUNE_REACHES = {"ResNet", "ConvNeXt", "ConvNeXtV2", "MobileNetV1", "MobileNetV2", "EfficientNet", "RegNet",
+                 "MobileViT", "Swin", "SegFormer"}
+
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -32,3 +38,5 @@ def test_zoo_lifecycle(tmp_path, family, config):
     if config.startswith("2:4"):
         assert r["sparse"] > 0
     assert r["fake_vs_torch"] >= 0.999 and r["fake_vs_torch_min"] >= 0.99, r
+    if config.startswith("filter") and family in PRUNE_REACHES:
+        assert r["removed_share"] >= 0.25, r
