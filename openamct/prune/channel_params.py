@@ -23,7 +23,11 @@ from torch import nn
 # element-wise op (LayerScale's ``gamma * x``), named by its full parameter path.
 LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER = (
     "LayerNormalization", "RMSNormalization", "GroupNormalization", "ChannelParams", "Parameter")
-OWNER_TYPES = (LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER)
+# An int attribute the forward reshapes with (an attention module's ``all_head_size``), named
+# "<module path>.<attribute>": it becomes the kept count.
+ATTRIBUTE = "Attribute"
+SIZE_ATTRS = ("all_head_size", "inner_dim", "head_size_total")
+OWNER_TYPES = (LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER, ATTRIBUTE)
 _RMS_NORM = getattr(nn, "RMSNorm", ())
 
 

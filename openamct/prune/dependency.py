@@ -23,10 +23,19 @@ from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorArg, TensorInfo
 from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
 from openamct.log_summary import warn_grouped
-from openamct.prune.channel_params import PARAMETER, Owner, owner_of, parameter_owner
+from openamct.prune.channel_params import (
+    ATTRIBUTE,
+    PARAMETER,
+    SIZE_ATTRS,
+    Owner,
+    owner_of,
+    parameter_owner,
+)
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
+from openamct.prune.heads import MATMULS, HeadsMixin
 from openamct.prune.index_mapping import (
     AXIS_OPS,
+    RESHAPE_OPS,
     ChannelMap,
     align,
     broadcast_dim,
@@ -98,13 +107,14 @@ def _describe(t: TensorInfo) -> str:
     return f"the output of {t.producer.name} ({t.producer.op})"
 
 
-class _Analysis:
+class _Analysis(HeadsMixin):
     def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan,
                  modules: dict[str, nn.Module]) -> None:
         self.graph, self.layers, self.plan, self.modules = graph, layers, plan, modules
         self.maps: dict[int, ChannelMap] = {}  # TensorInfo.key -> map of its tracked axis
         self.sources: list[_Source] = []
         self.parent: list[int] = []
+        self.unit: list[int] = []  # gid -> consecutive output channels per unit (a head: head_dim)
         self.blocks: dict[int, tuple[int, str, str]] = {}  # gid -> (node order, at, reason)
         self.members: dict[int, list[tuple[int, Member]]] = {}  # gid -> (node order, member)
         self.folds: dict[int, list[int]] = {}  # gid -> block counts removal must be equal over
@@ -137,6 +147,7 @@ class _Analysis:
         gid = len(self.sources)
         self.sources.append(src)
         self.parent.append(gid)
+        self.unit.append(1)
         self.members[gid], self.folds[gid] = [], []
         if src.group > 1:
             self.folds[gid].append(src.group)
@@ -275,6 +286,8 @@ class _Analysis:
                     self.add_members(out_map, node.name, BINARY_FUNCTIONS[op], "passive")
         elif op in ("cat", "concat", "concatenate", "stack"):
             self.concat(node)
+        elif op in MATMULS:
+            self.matmul(node, ins)
         elif ins != [first] and not (op == "type_as" and ins[0] is first):
             self.block(ins, node.name, f"{op} uses the channels of a second tensor argument")
         elif op in UNARY_FUNCTIONS:
@@ -287,8 +300,12 @@ class _Analysis:
     def follow(self, node: Node, src: TensorInfo) -> None:
         cmap = self.maps[src.key]
         moved = follow(node.op, node.args, node.kwargs, src.shape, node.outputs[0].shape, cmap.axis)
+        if isinstance(moved, str) and node.op in RESHAPE_OPS:
+            moved = self.split_heads(node, src) or None  # attention heads: view(..., -1, head_dim)
         if isinstance(moved, str):
             self.block([src], node.name, moved)
+            return
+        if moved is None:
             return
         axis, factor = moved
         for out in node.outputs:
@@ -297,6 +314,28 @@ class _Analysis:
                 return
         for out in node.outputs:
             self.maps[out.key] = cmap.expanded(factor).moved(axis)
+        if factor > 1 and (why := self.size_attribute(node, axis, self.maps[node.outputs[0].key])):
+            self.block([src], node.name, why)
+
+    def size_attribute(self, node: Node, axis: int, cmap: ChannelMap) -> str:
+        """A merge reshape that writes the merged size out (MobileViT's ``view(..., self.all_head_size)``)
+        reads it from somewhere: a size attribute of the module follows the kept count; with
+        none, the size may be a constant that would not follow (``view(-1, 16*5*5)`` before a
+        Linear, ``reshape(b, n, d)`` with the residual width): refused when it lands on the last
+        axis, where Linear consumers read. A merge onto an inner axis (Llama's ``repeat_kv``
+        reshape, sized from the tensor's own shape) is followed. '' or why."""
+        vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        out = node.outputs[0].shape
+        if (node.op not in ("view", "reshape") or len(vals) != len(out) or vals[axis] != out[axis]
+                or axis != len(out) - 1):
+            return ""
+        owner = self.modules.get(node.scope)
+        for attr in SIZE_ATTRS:
+            if owner is not None and type(getattr(owner, attr, None)) is int and getattr(owner, attr) == out[axis]:
+                self.add_members(cmap, f"{node.scope}.{attr}", ATTRIBUTE, "passive")
+                return ""
+        return (f"{node.op} writes the merged channel size {out[axis]} out, not -1, and its module has no "
+                f"{'/'.join(SIZE_ATTRS)} = {out[axis]} to update: the size would not follow pruning")
 
     def couple(self, node: Node, inputs: list[TensorInfo], ndim: int) -> ChannelMap | None:
         """Element-wise use (or concat on another axis): every input that carries the channel
@@ -414,7 +453,8 @@ class _Analysis:
             logger.info("filter prune: coupled layers %s have different settings; the group uses "
                         "prune_ratio %g (the smallest), ascend_optimized %s (any)",
                         ", ".join(s.name for s in srcs), ratio, ascend)
-        producers = [Member(s.name, s.op_type, 0, s.channels, 1, s.group, "producer") for s in srcs]
+        producers = [Member(s.name, s.op_type, 0, s.channels * self.unit[g], self.unit[g], s.group, "producer")
+                     for g, s in zip(gids, srcs, strict=True)]
         seen, passive, consumers = set(), [], []
         for _, m in sorted((x for g in gids for x in self.members[g]), key=lambda x: x[0]):
             key = (m.name, m.begin, m.end, m.role)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
-from openamct.prune.channel_params import PARAMETER, owner_size, sliced, vector_dim
+from openamct.prune.channel_params import ATTRIBUTE, PARAMETER, owner_size, sliced, vector_dim
 from openamct.prune.group import PruneGroup
 
 logger = logging.getLogger(__name__)
@@ -61,10 +61,11 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
                 raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
             m = modules[p.name]
             w = m.weight.t() if layer_type_of(m).name == "Conv1D" else m.weight  # output channels first
-            if w.shape[0] != g.channels:
+            if w.shape[0] != g.channels * p.repeat:
                 raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
-                                 f"its group expects {g.channels}")
-            total += channel_scores(w)  # every producer counts, not just the first
+                                 f"its group expects {g.channels * p.repeat}")
+            # a unit of p.repeat rows (an attention head) is scored as one filter
+            total += channel_scores(w.reshape(g.channels, -1))  # every producer counts, not just the first
         remain = kept_count(g.channels, g.ratio, g.ascend_optimized, g.prune_group)
         g.removed = select_removed(total, remain, g.prune_group) if remain < g.channels else []
         if not g.removed:
@@ -85,11 +86,17 @@ def _gather(model: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, s
         for m in g.members():
             if m.is_function:
                 continue
-            if m.name not in (params if m.op_type == PARAMETER else modules):
+            if m.op_type == ATTRIBUTE:
+                if not isinstance(getattr(modules.get(m.name.rpartition(".")[0]), m.name.rpartition(".")[2],
+                                          None), int):
+                    raise ValueError(f"filter prune: attribute {m.name!r} does not exist in the model")
+            elif m.name not in (params if m.op_type == PARAMETER else modules):
                 what = "parameter" if m.op_type == PARAMETER else "layer"
                 raise ValueError(f"filter prune: {what} {m.name!r} does not exist in the model")
+            if m.op_type == ATTRIBUTE and m.name in cuts and cuts[m.name].get("group") != id(g):
+                raise ValueError(f"filter prune: attribute {m.name!r} follows two groups' channels")
             axis = "in" if m.role == "consumer" else "out"
-            cuts.setdefault(m.name, {"out": set(), "in": set()})[axis].update(m.positions(g.removed))
+            cuts.setdefault(m.name, {"out": set(), "in": set(), "group": id(g)})[axis].update(m.positions(g.removed))
     return cuts
 
 
@@ -198,11 +205,19 @@ def _param_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, 
     return model.get_submodule(owner_name), ({attr: p.data.index_select(vector_dim(p), keep)}, {})
 
 
+def _attr_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, Edit]:
+    """A size the forward reshapes with (``all_head_size``): the kept count."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    return owner, ({}, {attr: len(_keep(getattr(owner, attr), cut, name))})
+
+
 def _edits(model: nn.Module, groups: list[PruneGroup]) -> list[tuple[nn.Module, Edit]]:
-    modules, params = dict(model.named_modules()), {m.name for g in groups for m in g.passive
-                                                    if m.op_type == PARAMETER}
+    modules = dict(model.named_modules())
+    kinds = {m.name: m.op_type for g in groups for m in g.passive if m.op_type in (PARAMETER, ATTRIBUTE)}
+    special = {PARAMETER: _param_edit, ATTRIBUTE: _attr_edit}
     with torch.no_grad():
-        return [_param_edit(model, name, cut["out"]) if name in params
+        return [special[kinds[name]](model, name, cut["out"]) if name in kinds
                 else (modules[name], _edit(name, modules[name], cut["out"], cut["in"]))
                 for name, cut in _gather(model, groups).items() if cut["out"] or cut["in"]]
 

@@ -27,6 +27,7 @@ from openamct.layer_types import (
     layer_type_of,
 )
 from openamct.prune.channel_params import (
+    ATTRIBUTE,
     GROUP_NORM,
     LAYER_NORM,
     OWNER_TYPES,
@@ -64,7 +65,9 @@ def groups_to_records(groups: list[PruneGroup], record: ScaleOffsetRecord) -> No
             _write_member(node, m)
             add_int(node, "prune_axis", -1 if m.op_type == "Gemm" else 1)
             add_int(node, "prune_group", g.prune_group)
-            add_ints(node, "prune_index", g.removed)
+            if m.repeat != 1:  # whole attention heads (or GQA groups) of this many rows
+                add_int(node, "prune_unit", m.repeat)
+            add_ints(node, "prune_index", m.positions(g.removed))
         for m in [*g.passive, *g.consumers]:
             node = pr.consumer.add(name=m.name)
             _write_member(node, m)
@@ -122,7 +125,7 @@ class _Reader:
         return begin, end
 
     def producers(self) -> tuple[list[Member], int, list[int], int]:
-        members, removed, prune_group = [], None, 1
+        members, removed, prune_group, channels = [], None, 1, 0
         for node in self.pr.producer:
             m, kind = self.module(node, "producer")
             if kind not in ("Conv", "Gemm") or is_depthwise(m):
@@ -132,16 +135,23 @@ class _Reader:
                 raise self.fail("producer", node, f"is pruned on axis {1 if kind == 'Conv' else -1}, "
                                                   f"the record says prune_axis={axis}")
             begin, end = self.span(node, m, "producer", "producer")
-            if members and end != members[0].end:
-                raise self.fail("producer", node, f"has {end} channels, producer {members[0].name!r} "
-                                                  f"has {members[0].end}")
-            idx = sorted(get_ints(node, "prune_index") or [])
+            unit = get_int(node, "prune_unit", 1) or 1
+            if unit < 1 or end % unit:
+                raise self.fail("producer", node, f"has {end} output channels, not whole units of prune_unit={unit}")
+            if members and end // unit != channels:
+                raise self.fail("producer", node, f"has {end // unit} units of {unit} channels, producer "
+                                                  f"{members[0].name!r} has {channels}")
+            channels = end // unit
+            rows = sorted(get_ints(node, "prune_index") or [])
+            idx = sorted({r // unit for r in rows}) if unit > 1 else rows  # (repeats: refused below)
+            member = Member(node.name, kind, 0, end, unit, getattr(m, "groups", 1), "producer")
+            if unit > 1 and member.positions(idx) != rows:
+                raise self.fail("producer", node, f"prune_index does not remove whole units of prune_unit={unit}")
             if removed is not None and idx != removed:
                 raise self.fail("producer", node, "removes other channels than the first producer")
             removed = idx
             prune_group = max(prune_group, get_int(node, "prune_group", 1) or 1)
-            members.append(Member(node.name, kind, 0, end, 1, getattr(m, "groups", 1), "producer"))
-        channels = members[0].end
+            members.append(member)
         if len(set(removed)) != len(removed) or any(not 0 <= c < channels for c in removed):
             raise ValueError(f"{self.where}: prune_index of {members[0].name!r} must be distinct channels "
                              f"in 0..{channels - 1}")
@@ -156,11 +166,17 @@ class _Reader:
     def owner(self, node: PruneNode, kind: str, channels: int, removed: list[int]) -> Member:
         """A per-channel parameter owner (norm, GRN, LayerScale): its size is read off the
         module (or parameter) itself, so a record from another model is refused here."""
-        target = self.params.get(node.name) if kind == PARAMETER else self.modules.get(node.name)
+        if kind == ATTRIBUTE:
+            owner, _, attr = node.name.rpartition(".")
+            target = getattr(self.modules.get(owner), attr, None)
+            target = target if type(target) is int else None
+        else:
+            target = self.params.get(node.name) if kind == PARAMETER else self.modules.get(node.name)
         if target is None:
             raise self.fail("consumer", node, f"does not exist in the model (type {kind!r})")
-        size = owner_size(target)
-        if size is None or kind != PARAMETER and not isinstance(target, _OWNER_CLASSES.get(kind, nn.Module)):
+        size = target if kind == ATTRIBUTE else owner_size(target)
+        if size is None or kind not in (PARAMETER, ATTRIBUTE) and not isinstance(target, _OWNER_CLASSES.get(kind,
+                                                                                                          nn.Module)):
             raise self.fail("consumer", node, f"is a {type(target).__name__} in the model, not a per-channel "
                                               f"parameter owner of type {kind!r}")
         begin, end = get_int(node, "begin", 0), get_int(node, "end")
