@@ -30,11 +30,12 @@ def channel_scores(weight: torch.Tensor) -> torch.Tensor:
     return (s - s.min()) / span if span > 0 else torch.zeros_like(s)  # all equal: no preference
 
 
-def kept_count(n: int, ratio: float, ascend_optimized: bool, prune_group: int = 1) -> int:
-    """C − round(C·r), rounded up to a multiple of 16 (ascend_optimized) and of prune_group;
-    at least one channel per block. A result >= n means: leave the layer as it is."""
+def kept_count(n: int, ratio: float, ascend_optimized: bool, prune_group: int = 1, align: int = 16) -> int:
+    """C − round(C·r), rounded up to a multiple of ``align`` (ascend_optimized: 16 channels, or
+    the units that make 16 rows: 1 head of 64) and of prune_group; at least one channel per
+    block. A result >= n means: leave the layer as it is."""
     remain = n - round(n * ratio)
-    multiple = math.lcm(16, prune_group) if ascend_optimized else prune_group
+    multiple = math.lcm(align, prune_group) if ascend_optimized else prune_group
     remain = math.ceil(remain / multiple) * multiple
     return min(max(remain, prune_group), n)
 
@@ -66,7 +67,10 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
                                  f"its group expects {g.channels * p.repeat}")
             # a unit of p.repeat rows (an attention head) is scored as one filter
             total += channel_scores(w.reshape(g.channels, -1))  # every producer counts, not just the first
-        remain = kept_count(g.channels, g.ratio, g.ascend_optimized, g.prune_group)
+        # ascend_optimized aligns the kept rows of every producer: a unit of r rows (a head)
+        # needs 16 / gcd(16, r) units per step, not 16
+        align = math.lcm(*(16 // math.gcd(16, p.repeat) for p in g.producers))
+        remain = kept_count(g.channels, g.ratio, g.ascend_optimized, g.prune_group, align)
         g.removed = select_removed(total, remain, g.prune_group) if remain < g.channels else []
         if not g.removed:
             logger.info("filter prune: %s left whole (%d channels, ratio %g, %d kept after alignment)",

@@ -39,18 +39,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, **kw):
+    def __init__(self, d=32, **kw):
         super().__init__()
-        self.attn, self.head = Attention(**kw), nn.Linear(32, 4)
+        self.attn, self.head = Attention(d=d, **kw), nn.Linear(d, 4)
 
     def forward(self, x):
         return self.head(self.attn(x)).mean(1)
 
 
-def prune(model, inputs, ratio=0.3):
+def prune(model, inputs, ratio=0.3, ascend=False):
     graph = capture_graph(model, inputs)
     layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, prune=FilterSpec(ratio, False))
+    plan = Plan({n: LayerPlan(n, i.type, prune=FilterSpec(ratio, ascend))
                  for n, i in layers.items() if i.type in ("Conv2d", "Linear") and not i.depthwise})
     groups, blocked = analyse(graph, layers, plan, model)
     score_and_select(model, groups)
@@ -149,3 +149,10 @@ def test_record_with_a_split_head_is_refused():
             a.ints.extend(rows[1:])  # one row of a head left behind
     with pytest.raises(ValueError, match=r"'attn.k' prune_index does not remove whole units of prune_unit=8"):
         groups_from_records(record, copy.deepcopy(original))
+
+
+def test_ascend_optimized_aligns_the_kept_rows_not_the_head_count():
+    torch.manual_seed(0)
+    model = Block(d=64, heads=4).eval()  # heads of 16 rows: any head count keeps a multiple of 16 rows
+    groups, _ = prune(model, torch.randn(2, 5, 64), ratio=0.5, ascend=True)
+    assert len(heads_group(groups, "attn.q").removed) == 2
