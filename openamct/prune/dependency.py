@@ -23,14 +23,7 @@ from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorArg, TensorInfo
 from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
 from openamct.log_summary import warn_grouped
-from openamct.prune.channel_params import (
-    ATTRIBUTE,
-    PARAMETER,
-    SIZE_ATTRS,
-    Owner,
-    owner_of,
-    parameter_owner,
-)
+from openamct.prune.channel_params import PARAMETER
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
 from openamct.prune.heads import MATMULS, HeadsMixin
 from openamct.prune.index_mapping import (
@@ -42,6 +35,7 @@ from openamct.prune.index_mapping import (
     dims_arg,
     follow,
 )
+from openamct.prune.owner_analysis import OwnersMixin
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +101,7 @@ def _describe(t: TensorInfo) -> str:
     return f"the output of {t.producer.name} ({t.producer.op})"
 
 
-class _Analysis(HeadsMixin):
+class _Analysis(HeadsMixin, OwnersMixin):
     def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan,
                  modules: dict[str, nn.Module]) -> None:
         self.graph, self.layers, self.plan, self.modules = graph, layers, plan, modules
@@ -190,30 +184,6 @@ class _Analysis(HeadsMixin):
         else:
             self.block(ins, node.name, f"module {node.name!r} ({node.op}) uses the channels in a way "
                                        "filter pruning cannot follow")
-
-    def owner(self, node: Node, ins: list[TensorInfo]) -> None:
-        """A module that may hold per-channel vectors of the tracked axis: it follows (its
-        vectors are sliced, GroupNorm adds its group count to the equal-removal blocks)."""
-        cmap = self.maps[ins[0].key]
-        if len(ins) > 1 or node.inputs[0] is not ins[0]:
-            found: Owner | str = f"module {node.name!r} ({node.op}) reads the channels of a second tensor"
-        elif len(self.graph.module_calls.get(node.name, [])) != 1:
-            found = f"module {node.name!r} ({node.op}) is called more than once"
-        else:
-            found = owner_of(node.name, self.modules[node.name], ins[0].shape,
-                             [o.shape for o in node.outputs], cmap.axis)
-        if isinstance(found, str):
-            self.block(ins, node.name, found)
-            return
-        if found.fold > 1:
-            if any(offset or seg.size % found.fold or seg.repeat > 1 for seg, offset in cmap.placed()) \
-                    or len(cmap.segments) != 1:
-                self.block(ins, node.name, f"GroupNorm {node.name!r} (groups={found.fold}) reads channels of "
-                                           "several layers or a flattened axis")
-                return
-            self.folds[cmap.segments[0].gid].append(found.fold)
-        self.add_members(cmap, node.name, found.op_type, "passive")
-        self.passthrough(node, ins[0], cmap)
 
     def layer(self, node: Node, info: LayerInfo, ins: list[TensorInfo]) -> None:
         out = node.outputs[0] if node.outputs else None
@@ -317,26 +287,6 @@ class _Analysis(HeadsMixin):
         if factor > 1 and (why := self.size_attribute(node, axis, self.maps[node.outputs[0].key])):
             self.block([src], node.name, why)
 
-    def size_attribute(self, node: Node, axis: int, cmap: ChannelMap) -> str:
-        """A merge reshape that writes the merged size out (MobileViT's ``view(..., self.all_head_size)``)
-        reads it from somewhere: a size attribute of the module follows the kept count; with
-        none, the size may be a constant that would not follow (``view(-1, 16*5*5)`` before a
-        Linear, ``reshape(b, n, d)`` with the residual width): refused when it lands on the last
-        axis, where Linear consumers read. A merge onto an inner axis (Llama's ``repeat_kv``
-        reshape, sized from the tensor's own shape) is followed. '' or why."""
-        vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        out = node.outputs[0].shape
-        if (node.op not in ("view", "reshape") or len(vals) != len(out) or vals[axis] != out[axis]
-                or axis != len(out) - 1):
-            return ""
-        owner = self.modules.get(node.scope)
-        for attr in SIZE_ATTRS:
-            if owner is not None and type(getattr(owner, attr, None)) is int and getattr(owner, attr) == out[axis]:
-                self.add_members(cmap, f"{node.scope}.{attr}", ATTRIBUTE, "passive")
-                return ""
-        return (f"{node.op} writes the merged channel size {out[axis]} out, not -1, and its module has no "
-                f"{'/'.join(SIZE_ATTRS)} = {out[axis]} to update: the size would not follow pruning")
-
     def couple(self, node: Node, inputs: list[TensorInfo], ndim: int) -> ChannelMap | None:
         """Element-wise use (or concat on another axis): every input that carries the channel
         axis must carry the same layout, and then their groups are coupled. Returns the map of
@@ -377,11 +327,6 @@ class _Analysis(HeadsMixin):
         for t in params:
             self.add_members(ref, t.param_name, PARAMETER, "passive")
         return ref.moved(axis)
-
-    def per_channel_param(self, node: Node, t: TensorInfo, ndim: int, axis: int, channels: int) -> bool:
-        """A model parameter with one value per channel (LayerScale), read by an element-wise op."""
-        return (t.producer is None and t.param_name is not None and node.op in ("mul", "add", "sub", "div")
-                and parameter_owner(t.shape, ndim, axis, channels))
 
     def concat(self, node: Node) -> None:
         tensors = [node.inputs[a.pos] for a in _arg(node, 0, "tensors") if isinstance(a, TensorArg)]

@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from openamct.graph.node import Node, TensorInfo
-from openamct.prune.channel_params import ATTRIBUTE
+from openamct.prune.channel_params import ATTRIBUTE, SIZE_ATTRS
 from openamct.prune.index_mapping import ChannelMap, Segment, align
 
 MATMULS = ("matmul", "bmm")
@@ -91,6 +91,26 @@ class HeadsMixin:
         if attr is not None:
             self.add_members(ChannelMap(a, segs), f"{node.scope}.{attr}", ATTRIBUTE, "passive")
         return ""
+
+    def size_attribute(self, node: Node, axis: int, cmap: ChannelMap) -> str:
+        """A merge reshape that writes the merged size out (MobileViT's ``view(..., self.all_head_size)``)
+        reads it from somewhere: a size attribute of the module follows the kept count; with
+        none, the size may be a constant that would not follow (``view(-1, 16*5*5)`` before a
+        Linear, ``reshape(b, n, d)`` with the residual width): refused when it lands on the last
+        axis, where Linear consumers read. A merge onto an inner axis (Llama's ``repeat_kv``
+        reshape, sized from the tensor's own shape) is followed. '' or why."""
+        vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        out = node.outputs[0].shape
+        if (node.op not in ("view", "reshape") or len(vals) != len(out) or vals[axis] != out[axis]
+                or axis != len(out) - 1):
+            return ""
+        owner = self.modules.get(node.scope)
+        for attr in SIZE_ATTRS:
+            if owner is not None and type(getattr(owner, attr, None)) is int and getattr(owner, attr) == out[axis]:
+                self.add_members(cmap, f"{node.scope}.{attr}", ATTRIBUTE, "passive")
+                return ""
+        return (f"{node.op} writes the merged channel size {out[axis]} out, not -1, and its module has no "
+                f"{'/'.join(SIZE_ATTRS)} = {out[axis]} to update: the size would not follow pruning")
 
     def reconcile(self, keys: list[int]) -> None:
         """Coarsen single-segment maps that cover the same positions in different units (a GQA
