@@ -2,7 +2,8 @@
 
 One pass over the captured graph in execution order. Every Conv/Linear call starts a
 channel space (a group id); each tensor carries a ``ChannelMap`` of its tracked axis.
-Channel-preserving ops pass maps on, BatchNorms and depthwise convs come along passively,
+Channel-preserving ops pass maps on, BatchNorms, depthwise convs and per-channel parameter
+owners (norms over the channels, GRN, LayerScale: ``channel_params``) come along passively,
 element-wise ops between two channel-carrying tensors couple their groups (union-find),
 concat joins the spaces and flatten expands them. Conv/Linear layers reading a tracked
 tensor are consumers. Any other use of the channel axis blocks the groups involved.
@@ -14,21 +15,27 @@ import logging
 import math
 from dataclasses import dataclass
 
+from torch import nn
+
 from openamct.config.specs import FilterSpec, Plan
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorArg, TensorInfo
 from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
 from openamct.log_summary import warn_grouped
+from openamct.prune.channel_params import PARAMETER
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
+from openamct.prune.heads import MATMULS, HeadsMixin
 from openamct.prune.index_mapping import (
     AXIS_OPS,
+    RESHAPE_OPS,
     ChannelMap,
     align,
     broadcast_dim,
     dims_arg,
     follow,
 )
+from openamct.prune.owner_analysis import OwnersMixin
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +101,14 @@ def _describe(t: TensorInfo) -> str:
     return f"the output of {t.producer.name} ({t.producer.op})"
 
 
-class _Analysis:
-    def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan) -> None:
-        self.graph, self.layers, self.plan = graph, layers, plan
+class _Analysis(HeadsMixin, OwnersMixin):
+    def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan,
+                 modules: dict[str, nn.Module]) -> None:
+        self.graph, self.layers, self.plan, self.modules = graph, layers, plan, modules
         self.maps: dict[int, ChannelMap] = {}  # TensorInfo.key -> map of its tracked axis
         self.sources: list[_Source] = []
         self.parent: list[int] = []
+        self.unit: list[int] = []  # gid -> consecutive output channels per unit (a head: head_dim)
         self.blocks: dict[int, tuple[int, str, str]] = {}  # gid -> (node order, at, reason)
         self.members: dict[int, list[tuple[int, Member]]] = {}  # gid -> (node order, member)
         self.folds: dict[int, list[int]] = {}  # gid -> block counts removal must be equal over
@@ -132,6 +141,7 @@ class _Analysis:
         gid = len(self.sources)
         self.sources.append(src)
         self.parent.append(gid)
+        self.unit.append(1)
         self.members[gid], self.folds[gid] = [], []
         if src.group > 1:
             self.folds[gid].append(src.group)
@@ -167,6 +177,8 @@ class _Analysis:
                 self.passthrough(node, ins[0], cmap)
         elif node.op in UNARY_MODULES and len(ins) == 1 and node.inputs[0] is ins[0]:
             self.passthrough(node, ins[0], self.maps[ins[0].key])
+        elif node.name in self.modules and not (node.op in ("Flatten", "Unflatten") and len(ins) == 1):
+            self.owner(node, ins)
         elif node.op in ("Flatten", "Unflatten") and len(ins) == 1:
             self.follow(node, ins[0])
         else:
@@ -244,6 +256,8 @@ class _Analysis:
                     self.add_members(out_map, node.name, BINARY_FUNCTIONS[op], "passive")
         elif op in ("cat", "concat", "concatenate", "stack"):
             self.concat(node)
+        elif op in MATMULS:
+            self.matmul(node, ins)
         elif ins != [first] and not (op == "type_as" and ins[0] is first):
             self.block(ins, node.name, f"{op} uses the channels of a second tensor argument")
         elif op in UNARY_FUNCTIONS:
@@ -256,8 +270,12 @@ class _Analysis:
     def follow(self, node: Node, src: TensorInfo) -> None:
         cmap = self.maps[src.key]
         moved = follow(node.op, node.args, node.kwargs, src.shape, node.outputs[0].shape, cmap.axis)
+        if isinstance(moved, str) and node.op in RESHAPE_OPS:
+            moved = self.split_heads(node, src) or None  # attention heads: view(..., -1, head_dim)
         if isinstance(moved, str):
             self.block([src], node.name, moved)
+            return
+        if moved is None:
             return
         axis, factor = moved
         for out in node.outputs:
@@ -266,6 +284,8 @@ class _Analysis:
                 return
         for out in node.outputs:
             self.maps[out.key] = cmap.expanded(factor).moved(axis)
+        if factor > 1 and (why := self.size_attribute(node, axis, self.maps[node.outputs[0].key])):
+            self.block([src], node.name, why)
 
     def couple(self, node: Node, inputs: list[TensorInfo], ndim: int) -> ChannelMap | None:
         """Element-wise use (or concat on another axis): every input that carries the channel
@@ -281,13 +301,21 @@ class _Analysis:
             self.block(inputs, node.name, f"{node.op} combines tensors tracked on different axes")
             return None
         axis, ref = axes.pop(), next(iter(tracked.values()))
+        params = []  # per-channel parameters (LayerScale): sliced with the channels
         for t in inputs:
             if t.key not in tracked:
-                if broadcast_dim(t.shape, ndim, axis) is not None:
-                    self.block(inputs, node.name, f"{node.op} combines the channels with a tensor no prunable "
-                                                  f"layer produces ({_describe(_origin(t))})")
-                    return None
-                continue
+                if broadcast_dim(t.shape, ndim, axis) is None:
+                    continue
+                vector = self.per_channel_param(node, t, ndim, axis, ref.size)
+                if vector and len(t.consumers) == 1:
+                    params.append(t)
+                    continue
+                why = (f"parameter {t.param_name!r} holds one value per channel but is read by {len(t.consumers)} "
+                       "ops (slicing it would change the others)" if vector else
+                       f"{node.op} combines the channels with a tensor no prunable layer produces "
+                       f"({_describe(_origin(t))})")
+                self.block(inputs, node.name, why)
+                return None
             pairs = align(ref, tracked[t.key])
             if pairs is None or any((a is None) != (b is None) for a, b in pairs):
                 self.block(inputs, node.name, f"{node.op} combines channel layouts that do not line up")
@@ -296,6 +324,8 @@ class _Analysis:
             for a, b in align(ref, m):
                 if a is not None:
                     self.union(a, b)
+        for t in params:
+            self.add_members(ref, t.param_name, PARAMETER, "passive")
         return ref.moved(axis)
 
     def concat(self, node: Node) -> None:
@@ -368,7 +398,8 @@ class _Analysis:
             logger.info("filter prune: coupled layers %s have different settings; the group uses "
                         "prune_ratio %g (the smallest), ascend_optimized %s (any)",
                         ", ".join(s.name for s in srcs), ratio, ascend)
-        producers = [Member(s.name, s.op_type, 0, s.channels, 1, s.group, "producer") for s in srcs]
+        producers = [Member(s.name, s.op_type, 0, s.channels * self.unit[g], self.unit[g], s.group, "producer")
+                     for g, s in zip(gids, srcs, strict=True)]
         seen, passive, consumers = set(), [], []
         for _, m in sorted((x for g in gids for x in self.members[g]), key=lambda x: x[0]):
             key = (m.name, m.begin, m.end, m.role)
@@ -378,10 +409,12 @@ class _Analysis:
         return PruneGroup(producers, consumers, passive, srcs[0].channels, prune_group, ratio, ascend)
 
 
-def analyse(graph: Graph, layers: dict[str, LayerInfo], plan: Plan) -> tuple[list[PruneGroup], list[BlockedGroup]]:
+def analyse(graph: Graph, layers: dict[str, LayerInfo], plan: Plan, model: nn.Module | None = None,
+            ) -> tuple[list[PruneGroup], list[BlockedGroup]]:
     """Coupled channel groups of the layers ``plan`` filter-prunes, and the groups that cannot
-    be pruned (each logged once with the node that stops it and why)."""
-    groups, blocked = _Analysis(graph, layers, plan).run()
+    be pruned (each logged once with the node that stops it and why). ``model`` (the one the
+    graph was captured from) lets per-channel parameter owners follow; without it they block."""
+    groups, blocked = _Analysis(graph, layers, plan, dict(model.named_modules()) if model is not None else {}).run()
     unseen = [name for name in layers if not graph.module_calls.get(name)]
     if groups and unseen:
         # The graph is the path input_data took in eval mode: a training-only branch or the

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
+from openamct.prune.channel_params import ATTRIBUTE, PARAMETER, owner_size, sliced, vector_dim
 from openamct.prune.group import PruneGroup
 
 logger = logging.getLogger(__name__)
@@ -29,11 +30,12 @@ def channel_scores(weight: torch.Tensor) -> torch.Tensor:
     return (s - s.min()) / span if span > 0 else torch.zeros_like(s)  # all equal: no preference
 
 
-def kept_count(n: int, ratio: float, ascend_optimized: bool, prune_group: int = 1) -> int:
-    """C − round(C·r), rounded up to a multiple of 16 (ascend_optimized) and of prune_group;
-    at least one channel per block. A result >= n means: leave the layer as it is."""
+def kept_count(n: int, ratio: float, ascend_optimized: bool, prune_group: int = 1, align: int = 16) -> int:
+    """C − round(C·r), rounded up to a multiple of ``align`` (ascend_optimized: 16 channels, or
+    the units that make 16 rows: 1 head of 64) and of prune_group; at least one channel per
+    block. A result >= n means: leave the layer as it is."""
     remain = n - round(n * ratio)
-    multiple = math.lcm(16, prune_group) if ascend_optimized else prune_group
+    multiple = math.lcm(align, prune_group) if ascend_optimized else prune_group
     remain = math.ceil(remain / multiple) * multiple
     return min(max(remain, prune_group), n)
 
@@ -60,11 +62,15 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
                 raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
             m = modules[p.name]
             w = m.weight.t() if layer_type_of(m).name == "Conv1D" else m.weight  # output channels first
-            if w.shape[0] != g.channels:
+            if w.shape[0] != g.channels * p.repeat:
                 raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
-                                 f"its group expects {g.channels}")
-            total += channel_scores(w)  # every producer counts, not just the first
-        remain = kept_count(g.channels, g.ratio, g.ascend_optimized, g.prune_group)
+                                 f"its group expects {g.channels * p.repeat}")
+            # a unit of p.repeat rows (an attention head) is scored as one filter
+            total += channel_scores(w.reshape(g.channels, -1))  # every producer counts, not just the first
+        # ascend_optimized aligns the kept rows of every producer: a unit of r rows (a head)
+        # needs 16 / gcd(16, r) units per step, not 16
+        align = math.lcm(*(16 // math.gcd(16, p.repeat) for p in g.producers))
+        remain = kept_count(g.channels, g.ratio, g.ascend_optimized, g.prune_group, align)
         g.removed = select_removed(total, remain, g.prune_group) if remain < g.channels else []
         if not g.removed:
             logger.info("filter prune: %s left whole (%d channels, ratio %g, %d kept after alignment)",
@@ -74,8 +80,9 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
 # -- physical removal ------------------------------------------------------------------------
 
 def _gather(model: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, set[int]]]:
-    """module name -> {"out": positions, "in": positions} in original coordinates."""
-    modules = dict(model.named_modules())
+    """module (or bare parameter) name -> {"out": positions, "in": positions} in original
+    coordinates."""
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
     cuts: dict[str, dict[str, set[int]]] = {}
     for g in groups:
         if not g.removed:
@@ -83,10 +90,17 @@ def _gather(model: nn.Module, groups: list[PruneGroup]) -> dict[str, dict[str, s
         for m in g.members():
             if m.is_function:
                 continue
-            if m.name not in modules:
-                raise ValueError(f"filter prune: layer {m.name!r} does not exist in the model")
+            if m.op_type == ATTRIBUTE:
+                if not isinstance(getattr(modules.get(m.name.rpartition(".")[0]), m.name.rpartition(".")[2],
+                                          None), int):
+                    raise ValueError(f"filter prune: attribute {m.name!r} does not exist in the model")
+            elif m.name not in (params if m.op_type == PARAMETER else modules):
+                what = "parameter" if m.op_type == PARAMETER else "layer"
+                raise ValueError(f"filter prune: {what} {m.name!r} does not exist in the model")
+            if m.op_type == ATTRIBUTE and m.name in cuts and cuts[m.name].get("group") != id(g):
+                raise ValueError(f"filter prune: attribute {m.name!r} follows two groups' channels")
             axis = "in" if m.role == "consumer" else "out"
-            cuts.setdefault(m.name, {"out": set(), "in": set()})[axis].update(m.positions(g.removed))
+            cuts.setdefault(m.name, {"out": set(), "in": set(), "group": id(g)})[axis].update(m.positions(g.removed))
     return cuts
 
 
@@ -160,6 +174,11 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         if m.bias is not None:
             tensors["bias"] = m.bias.data[outs]
         return tensors, {"nf": len(outs)} | ({"nx": len(ins)} if hasattr(m, "nx") else {})
+    if isinstance(m, nn.GroupNorm) and m.num_groups not in (1, m.num_channels):
+        kept = _blockwise(m.num_channels, m.num_groups, out_cut | in_cut, f"{name}.num_channels")
+        return sliced(m, [b * (m.num_channels // m.num_groups) + i for b, k in enumerate(kept) for i in k])
+    if not isinstance(m, BATCHNORM_TYPES) and (n := owner_size(m)) is not None:  # norms, GRN, LayerScale
+        return sliced(m, _keep(n, out_cut | in_cut, f"{name} (per-channel parameters)"))
     if isinstance(m, BATCHNORM_TYPES):
         keep = _keep(m.num_features, out_cut | in_cut, f"{name}.num_features")
         tensors = {a: getattr(m, a).data[keep] for a in ("weight", "bias", "running_mean", "running_var")
@@ -180,10 +199,30 @@ def _commit(m: nn.Module, edit: Edit) -> None:
         setattr(m, attr, value)
 
 
+def _param_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, Edit]:
+    """A bare per-channel parameter (LayerScale's gamma): sliced on its one long dim."""
+    owner_name, _, attr = name.rpartition(".")
+    p = model.get_parameter(name)
+    if owner_size(p) is None:
+        raise ValueError(f"filter prune: parameter {name!r} {tuple(p.shape)} is not a per-channel vector")
+    keep = torch.tensor(_keep(p.shape[vector_dim(p)], cut, name), dtype=torch.long)
+    return model.get_submodule(owner_name), ({attr: p.data.index_select(vector_dim(p), keep)}, {})
+
+
+def _attr_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, Edit]:
+    """A size the forward reshapes with (``all_head_size``): the kept count."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    return owner, ({}, {attr: len(_keep(getattr(owner, attr), cut, name))})
+
+
 def _edits(model: nn.Module, groups: list[PruneGroup]) -> list[tuple[nn.Module, Edit]]:
     modules = dict(model.named_modules())
+    kinds = {m.name: m.op_type for g in groups for m in g.passive if m.op_type in (PARAMETER, ATTRIBUTE)}
+    special = {PARAMETER: _param_edit, ATTRIBUTE: _attr_edit}
     with torch.no_grad():
-        return [(modules[name], _edit(name, modules[name], cut["out"], cut["in"]))
+        return [special[kinds[name]](model, name, cut["out"]) if name in kinds
+                else (modules[name], _edit(name, modules[name], cut["out"], cut["in"]))
                 for name, cut in _gather(model, groups).items() if cut["out"] or cut["in"]]
 
 

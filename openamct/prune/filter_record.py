@@ -5,7 +5,11 @@ One PruneRecord per group that removes something. Producers carry ``type``, ``be
 ``prune_index`` (the removed output channels); consumers (passive layers, function nodes
 and the layers reading the channels) carry ``type``, ``begin``/``end`` (the slice of their
 channel axis this group occupies), ``group`` when not 1 and ``prune_index`` (the removed
-positions, absolute, inside begin..end).
+positions, absolute, inside begin..end). Per-channel parameter owners are consumers too, typed
+``LayerNormalization``/``RMSNormalization``/``GroupNormalization`` (those classes),
+``ChannelParams`` (any other module whose tensors are per-channel vectors: GRN, LayerScale
+modules) or ``Parameter`` (a bare parameter, named by its full path, e.g. ConvNeXt's
+``layer_scale_parameter``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ from openamct.layer_types import (
     is_depthwise,
     layer_type_of,
 )
+from openamct.prune.channel_params import (
+    ATTRIBUTE,
+    GROUP_NORM,
+    LAYER_NORM,
+    OWNER_TYPES,
+    PARAMETER,
+    RMS_NORM,
+    owner_size,
+)
 from openamct.prune.filter import validate_removal
 from openamct.prune.group import FUNCTION_OP_TYPES, Member, PruneGroup
 from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
@@ -29,6 +42,7 @@ from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, Scal
 
 logger = logging.getLogger(__name__)
 
+_OWNER_CLASSES = {LAYER_NORM: nn.LayerNorm, GROUP_NORM: nn.GroupNorm, RMS_NORM: getattr(nn, "RMSNorm", nn.LayerNorm)}
 _TYPES = {"Conv": CONVS, "ConvTranspose": TRANSPOSED_CONVS, "Gemm": (nn.Linear,), "BatchNormalization": BATCHNORM_TYPES}
 
 
@@ -51,7 +65,9 @@ def groups_to_records(groups: list[PruneGroup], record: ScaleOffsetRecord) -> No
             _write_member(node, m)
             add_int(node, "prune_axis", -1 if m.op_type == "Gemm" else 1)
             add_int(node, "prune_group", g.prune_group)
-            add_ints(node, "prune_index", g.removed)
+            if m.repeat != 1:  # whole attention heads (or GQA groups) of this many rows
+                add_int(node, "prune_unit", m.repeat)
+            add_ints(node, "prune_index", m.positions(g.removed))
         for m in [*g.passive, *g.consumers]:
             node = pr.consumer.add(name=m.name)
             _write_member(node, m)
@@ -77,8 +93,9 @@ def _axis_size(m: nn.Module, role: str) -> int:
 
 
 class _Reader:
-    def __init__(self, modules: dict[str, nn.Module], idx: int, pr: PruneRecord) -> None:
-        self.modules = modules
+    def __init__(self, modules: dict[str, nn.Module], params: dict[str, nn.Parameter], idx: int,
+                 pr: PruneRecord) -> None:
+        self.modules, self.params = modules, params
         self.where, self.pr = f"record_file prune_record[{idx}]", pr
 
     def fail(self, what: str, node: PruneNode, detail: str) -> ValueError:
@@ -108,7 +125,7 @@ class _Reader:
         return begin, end
 
     def producers(self) -> tuple[list[Member], int, list[int], int]:
-        members, removed, prune_group = [], None, 1
+        members, removed, prune_group, channels = [], None, 1, 0
         for node in self.pr.producer:
             m, kind = self.module(node, "producer")
             if kind not in ("Conv", "Gemm") or is_depthwise(m):
@@ -118,16 +135,23 @@ class _Reader:
                 raise self.fail("producer", node, f"is pruned on axis {1 if kind == 'Conv' else -1}, "
                                                   f"the record says prune_axis={axis}")
             begin, end = self.span(node, m, "producer", "producer")
-            if members and end != members[0].end:
-                raise self.fail("producer", node, f"has {end} channels, producer {members[0].name!r} "
-                                                  f"has {members[0].end}")
-            idx = sorted(get_ints(node, "prune_index") or [])
+            unit = get_int(node, "prune_unit", 1) or 1
+            if unit < 1 or end % unit:
+                raise self.fail("producer", node, f"has {end} output channels, not whole units of prune_unit={unit}")
+            if members and end // unit != channels:
+                raise self.fail("producer", node, f"has {end // unit} units of {unit} channels, producer "
+                                                  f"{members[0].name!r} has {channels}")
+            channels = end // unit
+            rows = sorted(get_ints(node, "prune_index") or [])
+            idx = sorted({r // unit for r in rows}) if unit > 1 else rows  # (repeats: refused below)
+            member = Member(node.name, kind, 0, end, unit, getattr(m, "groups", 1), "producer")
+            if unit > 1 and member.positions(idx) != rows:
+                raise self.fail("producer", node, f"prune_index does not remove whole units of prune_unit={unit}")
             if removed is not None and idx != removed:
                 raise self.fail("producer", node, "removes other channels than the first producer")
             removed = idx
             prune_group = max(prune_group, get_int(node, "prune_group", 1) or 1)
-            members.append(Member(node.name, kind, 0, end, 1, getattr(m, "groups", 1), "producer"))
-        channels = members[0].end
+            members.append(member)
         if len(set(removed)) != len(removed) or any(not 0 <= c < channels for c in removed):
             raise ValueError(f"{self.where}: prune_index of {members[0].name!r} must be distinct channels "
                              f"in 0..{channels - 1}")
@@ -139,11 +163,39 @@ class _Reader:
                              f"removal from each of {prune_group} blocks of its {channels} channels")
         return members, channels, removed, prune_group
 
+    def owner(self, node: PruneNode, kind: str, channels: int, removed: list[int]) -> Member:
+        """A per-channel parameter owner (norm, GRN, LayerScale): its size is read off the
+        module (or parameter) itself, so a record from another model is refused here."""
+        if kind == ATTRIBUTE:
+            owner, _, attr = node.name.rpartition(".")
+            target = getattr(self.modules.get(owner), attr, None)
+            target = target if type(target) is int else None
+        else:
+            target = self.params.get(node.name) if kind == PARAMETER else self.modules.get(node.name)
+        if target is None:
+            raise self.fail("consumer", node, f"does not exist in the model (type {kind!r})")
+        size = target if kind == ATTRIBUTE else owner_size(target)
+        if size is None or kind not in (PARAMETER, ATTRIBUTE) and not isinstance(target, _OWNER_CLASSES.get(kind,
+                                                                                                          nn.Module)):
+            raise self.fail("consumer", node, f"is a {type(target).__name__} in the model, not a per-channel "
+                                              f"parameter owner of type {kind!r}")
+        begin, end = get_int(node, "begin", 0), get_int(node, "end")
+        if end is None or not 0 <= begin < end <= size or (end - begin) % channels:
+            raise self.fail("consumer", node, f"has {size} channels, the record says begin={begin} end={end} "
+                                              f"for a group of {channels}")
+        member = Member(node.name, kind, begin, end, (end - begin) // channels, 1, "passive")
+        idx = get_ints(node, "prune_index")
+        if idx is not None and sorted(idx) != member.positions(removed):
+            raise self.fail("consumer", node, "lists other removed positions than its producers imply")
+        return member
+
     def consumer(self, node: PruneNode, channels: int, removed: list[int]) -> Member:
         kind = get_str(node, "type")
         if node.name not in self.modules and kind in FUNCTION_OP_TYPES:  # Add/Concat: no weights
             begin, end = get_int(node, "begin", 0), get_int(node, "end", channels)
             return Member(node.name, kind, begin, end, max((end - begin) // channels, 1), 1, "passive")
+        if kind in OWNER_TYPES:
+            return self.owner(node, kind, channels, removed)
         m, kind = self.module(node, "consumer")
         role = "passive" if isinstance(m, BATCHNORM_TYPES) or is_depthwise(m) else "consumer"
         begin, end = self.span(node, m, role, "consumer")
@@ -160,13 +212,13 @@ class _Reader:
 def groups_from_records(record: ScaleOffsetRecord, model: nn.Module) -> list[PruneGroup]:
     """Rebuild the filter-prune groups of ``record`` for ``model`` (the original, unpruned
     model) without re-scoring; any mismatch is a ValueError naming the layer and record."""
-    groups, modules = [], dict(model.named_modules())
+    groups, modules, params = [], dict(model.named_modules()), dict(model.named_parameters())
     for idx, pr in enumerate(record.prune_record):
         if pr.HasField("selective_prune") or not (pr.producer or pr.consumer):
             continue  # a 2:4 mask record
         if not pr.producer:
             raise ValueError(f"record_file prune_record[{idx}] has consumers but no producer")
-        reader = _Reader(modules, idx, pr)
+        reader = _Reader(modules, params, idx, pr)
         producers, channels, removed, prune_group = reader.producers()
         passive, consumers = [], []
         for node in pr.consumer:

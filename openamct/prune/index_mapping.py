@@ -158,8 +158,8 @@ AXIS_OPS = RESHAPE_OPS | REDUCE_OPS | SPLIT_OPS | ALONG_OPS | {"transpose", "swa
 def follow(op: str, args: tuple, kwargs: dict, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
            axis: int) -> tuple[int, int] | str:
     """Where the channel axis of a single-input shape op's input goes: (new axis, repeat
-    factor), or why it cannot be followed. Ops that move the channel axis to another place
-    (transpose/permute) stop it: consumers read channels at a fixed axis."""
+    factor), or why it cannot be followed. Transpose/permute move the axis; that is safe because
+    every consumer and element-wise op checks the axis it reads the channels on."""
     ndim = len(in_shape)
 
     def arg(pos: int, key: str, default: object = None) -> object:
@@ -183,10 +183,10 @@ def follow(op: str, args: tuple, kwargs: dict, in_shape: tuple[int, ...], out_sh
         return f"{op} works along the channel axis" if dims is None or axis in dims else (axis, 1)
     if op in ("transpose", "swapaxes", "swapdims"):
         pair = dims_arg([arg(1, "dim0"), arg(2, "dim1")], ndim)
-        return f"{op} moves the channel axis" if axis in pair and pair[0] != pair[1] else (axis, 1)
+        return (pair[1] if axis == pair[0] else pair[0] if axis == pair[1] else axis), 1
     if op == "permute":
         perm = args[1:] if len(args) > 2 or isinstance(arg(1, "dims"), int) else arg(1, "dims")
-        return (axis, 1) if dims_arg(list(perm), ndim)[axis] == axis else "permute moves the channel axis"
+        return dims_arg(list(perm), ndim).index(axis), 1
     if op == "getitem":
         new, why = index_axis(arg(1, "index"), ndim, axis)
         return (new, 1) if new is not None else why

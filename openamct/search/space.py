@@ -157,7 +157,7 @@ def build_space(model: nn.Module, graph: Graph, layers: dict[str, LayerInfo], se
     modules = {n: type(m).__name__ for n, m in model.named_modules()}
     plan = search_plan(layers, settings.override, settings.ascend_optimized, modules, src)
     fixed = fixed_layers(settings.override, layers)
-    pruned, blocked = analyse(graph, layers, plan)
+    pruned, blocked = analyse(graph, layers, plan, model)
     groups: list[SearchGroup] = []
     for g in pruned:
         is_fixed = any(p in fixed for p in g.producer_names)

@@ -45,7 +45,7 @@ class FilterPruning(Technique):
         from openamct.prune.filter import score_and_select
         from openamct.prune.filter_record import groups_to_records
 
-        groups, blocked = analyse(ctx.graph, ctx.layers, ctx.plan)
+        groups, blocked = analyse(ctx.graph, ctx.layers, ctx.plan, ctx.model)
         score_and_select(ctx.model, groups)
         removing = [g for g in groups if g.removed]
         if not removing:

@@ -23,6 +23,14 @@ from tests.zoo.lifecycle import CONFIGS, run
 
 pytestmark = pytest.mark.slow
 
+# Families where prune_ratio 0.3 reaches >= 25 % of the compressed layers' weight (issue 15): the
+# filter-prune groups get through norms over the channels, GRN, LayerScale, permutes and whole
+# attention heads. Not yet (docs/limits.md): ViT/DeiT/Wav2Vec2/Whisper (~20 %: their unpruned
+# patch/conv front end and the residual width are a large share of these tiny models), GPT-2
+# (fused c_attn split), T5 (relative position bias per head), ALBERT (shared layers).
+PRUNE_REACHES = {"ResNet", "ConvNeXt", "ConvNeXtV2", "MobileNetV1", "MobileNetV2", "EfficientNet", "RegNet",
+                 "MobileViT", "Swin", "SegFormer", "BERT", "DistilBERT", "RoBERTa", "Llama", "Qwen2"}
+
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -32,3 +40,5 @@ def test_zoo_lifecycle(tmp_path, family, config):
     if config.startswith("2:4"):
         assert r["sparse"] > 0
     assert r["fake_vs_torch"] >= 0.999 and r["fake_vs_torch_min"] >= 0.99, r
+    if config.startswith("filter") and family in PRUNE_REACHES:
+        assert r["removed_share"] >= 0.25, r

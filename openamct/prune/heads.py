@@ -1,0 +1,140 @@
+"""Attention heads in channel-dependency analysis: a group's unit can grow from one channel to
+a whole head (``head_dim`` consecutive channels) or a whole grouped-query group of heads.
+
+Why a unit and not a new kind of map: a ``view(..., -1, head_dim)`` splits the channel axis
+into (heads, head_dim). Once every channel of the group is ``head_dim`` consecutive positions
+(``coarsen``), the head axis is an ordinary tracked axis whose segments have ``repeat / head_dim``;
+Q·Kᵀ and softmax·V couple Q, K and V on that (batch) axis like an element-wise op, and the
+merge ``reshape(..., -1)`` is a plain flatten (repeat × head_dim) into O's input. Removing whole
+units of channels is always safe, so coarsening never changes what is correct, only how fine
+the removal is. GQA: K/V reach Q·Kᵀ expanded (``repeat_kv``) as repeat = n_rep heads; Q is
+coarsened to n_rep heads per unit, so a KV head and its n_rep query heads go together and the
+model's ``num_key_value_groups`` stays right.
+
+Where the view writes the head count out (``view(b, -1, self.num_heads, d)``) the module's
+``num_heads``-like attribute equal to it follows the kept heads (an ``Attribute`` record node);
+without such an attribute the group is refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from openamct.graph.node import Node, TensorInfo
+from openamct.prune.channel_params import ATTRIBUTE, SIZE_ATTRS
+from openamct.prune.index_mapping import ChannelMap, Segment, align
+
+MATMULS = ("matmul", "bmm")
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+
+
+class HeadsMixin:
+    """Methods of ``dependency._Analysis`` (state: sources, members, folds, maps, unit)."""
+
+    def coarsen(self, gid: int, factor: int) -> str:
+        """Make one unit of ``gid``'s coupled class ``factor`` of its current units; '' or why not."""
+        root = self.find(gid)
+        cls = {g for g in range(len(self.sources)) if self.find(g) == root}
+        for g in cls:
+            if self.folds[g]:
+                return "attention heads of a grouped conv's channels"
+            if self.sources[g].channels % factor:
+                return f"{self.sources[g].channels} channels do not split into units of {factor}"
+        for g in cls:
+            self.sources[g].channels //= factor
+            self.unit[g] *= factor
+            self.members[g] = [(o, replace(m, repeat=m.repeat * factor)) for o, m in self.members[g]]
+        for key, cmap in self.maps.items():
+            if any(s.gid in cls for s in cmap.segments):
+                self.maps[key] = replace(cmap, segments=tuple(
+                    replace(s, length=s.length // factor, repeat=s.repeat * factor) if s.gid in cls else s
+                    for s in cmap.segments))
+        return ""
+
+    def split_heads(self, node: Node, src: TensorInfo) -> str:
+        """A view/reshape of the channel axis C into (C / d, d): follow it on the first part
+        with whole units of d channels; '' or why not."""
+        cmap, ins, outs = self.maps[src.key], src.shape, node.outputs[0].shape
+        a = cmap.axis
+        if not (len(outs) == len(ins) + 1 and outs[:a] == ins[:a] and outs[a + 2:] == ins[a + 1:]
+                and outs[a] * outs[a + 1] == ins[a]):
+            return f"{node.op} splits the channel dim or merges it with a dim before it"
+        d = outs[a + 1]
+        vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        attr = None
+        if node.op not in ("view", "reshape") or len(vals) != len(outs) or vals[a] != -1:
+            # the head count comes from the module (view(b, -1, self.num_heads, d)): that attribute
+            # must follow the pruned heads; without one we cannot know what the forward reads
+            owner = self.modules.get(node.scope)
+            attr = next((n for n in HEAD_ATTRS if owner is not None and type(getattr(owner, n, None)) is int
+                         and getattr(owner, n) == outs[a]), None)
+            if attr is None or len(vals) != len(outs) or vals[a] != outs[a]:
+                where = repr(node.scope) if node.scope else "the top-level module"
+                return (f"{node.op} in {where} splits the channels into {outs[a]} heads of {d} with the "
+                        f"head count written out, and {where} has no attribute "
+                        f"{'/'.join(HEAD_ATTRS)} = {outs[a]} to update: pruned heads cannot be followed")
+        for seg, offset in cmap.placed():
+            if offset % d:
+                return f"{node.op} splits the channel axis across layers' channels"
+            if seg.repeat % d:
+                why = self.coarsen(seg.gid, d // math.gcd(seg.repeat, d))
+                if why:
+                    return f"{node.op} splits the channels into heads of {d}: {why}"
+        cmap = self.maps[src.key]
+        if any(s.size % d for s in cmap.segments):
+            return f"{node.op} splits the channel axis across layers' channels"
+        segs = tuple(replace(s, repeat=s.repeat // d) if s.gid is not None else Segment(None, 0, s.size // d)
+                     for s in cmap.segments)
+        for out in node.outputs:
+            self.maps[out.key] = ChannelMap(a, segs)
+        if attr is not None:
+            self.add_members(ChannelMap(a, segs), f"{node.scope}.{attr}", ATTRIBUTE, "passive")
+        return ""
+
+    def size_attribute(self, node: Node, axis: int, cmap: ChannelMap) -> str:
+        """A merge reshape that writes the merged size out (MobileViT's ``view(..., self.all_head_size)``)
+        reads it from somewhere: a size attribute of the module follows the kept count; with
+        none, the size may be a constant that would not follow (``view(-1, 16*5*5)`` before a
+        Linear, ``reshape(b, n, d)`` with the residual width): refused when it lands on the last
+        axis, where Linear consumers read. A merge onto an inner axis (Llama's ``repeat_kv``
+        reshape, sized from the tensor's own shape) is followed. '' or why."""
+        vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        out = node.outputs[0].shape
+        if (node.op not in ("view", "reshape") or len(vals) != len(out) or vals[axis] != out[axis]
+                or axis != len(out) - 1):
+            return ""
+        owner = self.modules.get(node.scope)
+        for attr in SIZE_ATTRS:
+            if owner is not None and type(getattr(owner, attr, None)) is int and getattr(owner, attr) == out[axis]:
+                self.add_members(cmap, f"{node.scope}.{attr}", ATTRIBUTE, "passive")
+                return ""
+        return (f"{node.op} writes the merged channel size {out[axis]} out, not -1, and its module has no "
+                f"{'/'.join(SIZE_ATTRS)} = {out[axis]} to update: the size would not follow pruning")
+
+    def reconcile(self, keys: list[int]) -> None:
+        """Coarsen single-segment maps that cover the same positions in different units (a GQA
+        K expanded n_rep times against Q's heads) until they line up."""
+        maps = [self.maps[k] for k in keys]
+        ref = maps[0]
+        for m in maps[1:]:
+            if align(ref, m) is not None or len(ref.segments) != 1 or len(m.segments) != 1:
+                continue
+            x, y = ref.segments[0], m.segments[0]
+            if x.size != y.size or x.gid is None or y.gid is None:
+                continue
+            fine, coarse = (x, y) if x.repeat < y.repeat else (y, x)
+            if coarse.repeat % fine.repeat == 0 and not self.coarsen(fine.gid, coarse.repeat // fine.repeat):
+                ref = self.maps[keys[0]]
+
+    def matmul(self, node: Node, ins: list[TensorInfo]) -> None:
+        """Q·Kᵀ / softmax·V: channels tracked on a batch dim of both sides couple like an
+        element-wise op; a tracked matrix dim cannot be followed."""
+        if len(node.inputs) != 2 or any(self.maps[t.key].axis >= len(t.shape) - 2 for t in ins):
+            self.block(ins, node.name, f"{node.op} uses the channels as a matrix dimension")
+            return
+        ndim = len(node.outputs[0].shape)
+        self.reconcile([t.key for t in ins])
+        out_map = self.couple(node, list(node.inputs), ndim)
+        if out_map is not None:
+            self.maps[node.outputs[0].key] = out_map
