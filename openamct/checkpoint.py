@@ -53,8 +53,10 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
         value = sd[key]
-        if value.is_floating_point() != mine.is_floating_point() or (
-                not mine.is_floating_point() and value.dtype != mine.dtype and value.numel()):
+        # 2:4 masks were float buffers before issue 19 (now bool): those checkpoints still load.
+        old_float_mask = key.endswith(".mask") and mine.dtype == torch.bool and value.is_floating_point()
+        if not old_float_mask and (value.is_floating_point() != mine.is_floating_point() or (
+                not mine.is_floating_point() and value.dtype != mine.dtype and value.numel())):
             raise ValueError(f"{where}: {key!r} has dtype {value.dtype} but the model's is {mine.dtype}: save "
                              "the checkpoint from the model that create_*/restore_* returned, without casting it")
         if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):

@@ -233,10 +233,14 @@ def test_state_dict_round_trip_and_set_mask():
         parent["sp"](layer.weight + torch.randn_like(layer.weight))
     sd = parent.state_dict()
     assert set(sd) == {"sp.mask", "sp.mask_ready", "sp.step"}
-    assert sd["sp.mask"].dtype == layer.weight.dtype and sd["sp.step"].dtype == torch.int64
+    # bool: a byte per weight, not a float copy of the weight (issue 19)
+    assert sd["sp.mask"].dtype == torch.bool and sd["sp.step"].dtype == torch.int64
     fresh = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
     fresh.load_state_dict(sd)
     assert torch.equal(fresh["sp"].mask, parent["sp"].mask) and fresh["sp"].version == 1
+    older = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
+    older.load_state_dict({**sd, "sp.mask": sd["sp.mask"].float()})  # a float mask (before issue 19)
+    assert older["sp"].mask.dtype == torch.bool and torch.equal(older["sp"].mask, parent["sp"].mask)
     # Host-side schedule resumes: step 3 -> forward at step 3 is not a multiple of 2.
     before = fresh["sp"].mask.clone()
     fresh["sp"](layer.weight.detach() * 0 + torch.arange(8.0).view(1, 8, 1, 1))
