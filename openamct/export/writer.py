@@ -15,6 +15,7 @@ protobuf's 2 GB limit go out with ONNX external data (``<file>.data`` next to th
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -49,23 +50,36 @@ EXTERNAL_DATA_BYTES = 2**31 - 2**26  # protobuf's 2 GB limit, less room for the 
 def export_onnx(model: nn.Module, input_data: Any, input_names=None, output_names=None,
                 dynamic_axes=None, work_dir: str | None = None) -> onnx.ModelProto:
     """TorchScript export to an in-memory ModelProto (external data loaded back in)."""
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("export"), dir=work_dir) as tmp:
+        path, wrapped = export_to_file(model, input_data, tmp, input_names, output_names, dynamic_axes)
+        return load_export(path, wrapped)
+
+
+def export_to_file(model: nn.Module, input_data: Any, folder: str, input_names=None, output_names=None,
+                   dynamic_axes=None) -> tuple[str, bool]:
+    """TorchScript export into ``folder``; returns the file and whether a wrapper's names must be
+    stripped (``load_export``). Split from the load so a caller can free the model in between:
+    the exporter's own copy and the loaded proto then never coexist with it (issue 19)."""
     args, kwargs = split_input_data(input_data)
     # Names both files share (signature.py); the exporter's own differ per file.
     target, args, kwargs, default_in, default_out = export_signature(model, args, kwargs)
     input_names = default_in if input_names is None else input_names
     output_names = default_out if output_names is None else output_names
-    with tempfile.TemporaryDirectory(prefix=temp_prefix("export"), dir=work_dir) as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
-            warnings.filterwarnings("ignore", message=".*No names were found for specified dynamic axes.*")
-            with torch.no_grad():
-                torch.onnx.export(target, args, path, kwargs=kwargs or None, dynamo=False,
-                                  opset_version=OPSET, input_names=input_names,
-                                  output_names=output_names, dynamic_axes=dynamic_axes,
-                                  do_constant_folding=True)
-        proto = onnx.load(path, load_external_data=True)
-    if target is not model:
+    path = os.path.join(folder, "model.onnx")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+        warnings.filterwarnings("ignore", message=".*No names were found for specified dynamic axes.*")
+        with torch.no_grad():
+            torch.onnx.export(target, args, path, kwargs=kwargs or None, dynamo=False,
+                              opset_version=OPSET, input_names=input_names,
+                              output_names=output_names, dynamic_axes=dynamic_axes,
+                              do_constant_folding=True)
+    return path, target is not model
+
+
+def load_export(path: str, wrapped: bool) -> onnx.ModelProto:
+    proto = onnx.load(path, load_external_data=True)
+    if wrapped:
         strip_wrapper_names(proto)
     return proto
 
@@ -202,18 +216,25 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
 
     h = hashlib.sha256()
     with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
-        fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
+        io = {k: v for k, v in names.items() if k != "work_dir"}
+        file, wrapped = export_to_file(fold_fake_quant(probe, techniques), input_data, stage, **io)
         del probe
+        gc.collect()  # the working copy's module tree has cycles: free it before loading the export
+        fake = load_export(file, wrapped)
+        os.remove(file)
         _hash_model(h, fake)
         staged = [_Staged(fake, fake_path, stage, external_threshold)]
         del fake
         work = working_copy(model)
         observers = fold_deploy(work, techniques)
-        deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
-        del work
-        _hash_model(h, deploy)
         dstage = os.path.join(stage, "deploy")  # the two files may share a name in two folders
         os.mkdir(dstage)
+        file, wrapped = export_to_file(work, input_data, dstage, **io)
+        del work
+        gc.collect()
+        deploy = finish_deploy(load_export(file, wrapped), observers)
+        os.remove(file)
+        _hash_model(h, deploy)
         staged.append(_Staged(deploy, deploy_path, dstage, external_threshold))
         del deploy
         save_id = h.hexdigest()[:32]
