@@ -19,6 +19,7 @@ unnoticed) and interpreter exit (the thread is not a daemon).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -46,6 +47,9 @@ class RecordKeeper:
         self._writer: threading.Thread | None = None  # the background write in flight
         self._write_error: OSError | None = None
         self._retry = False  # a background write failed: write again at the next forward
+        # (path, record, header, (size, mtime) of the file) of the last write: an unchanged
+        # record is not written again (save after an eval forward rewrote megabytes of scales).
+        self._last: tuple | None = None
         self.header = ""  # comment lines written above the record: the model's fingerprint
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
@@ -53,7 +57,7 @@ class RecordKeeper:
 
     def __getstate__(self) -> dict:
         # Copies (the export's working copy) share no write in flight: a thread cannot be copied.
-        return {**self.__dict__, "_writer": None, "_write_error": None}
+        return {**self.__dict__, "_writer": None, "_write_error": None, "_last": None}
 
     @property
     def techniques(self) -> list:
@@ -123,7 +127,7 @@ class RecordKeeper:
 
         def run() -> None:
             try:
-                _write(target, record, self.header, sidecar)
+                self._write_if_changed(target, record, sidecar)
             except OSError as exc:
                 self._write_error = exc
 
@@ -166,9 +170,27 @@ class RecordKeeper:
         self.wait()
         if is_writer_rank():
             sidecar = SidecarOut(target)
-            _write(target, self.build(sidecar), self.header, sidecar)
+            self._write_if_changed(target, self.build(sidecar), sidecar)
         self.mark_recorded()  # after the write: a failed one leaves the record due
+
+    def _write_if_changed(self, target: str, record: ScaleOffsetRecord, sidecar: SidecarOut) -> None:
+        full = os.path.abspath(target)
+        last = self._last
+        if last is not None and last[:3] == (full, record, self.header) and _stat(full) == last[3]:
+            write_sidecars(target, sidecar.blobs)  # nothing to do unless one was deleted
+            logger.debug("record %s unchanged: not rewritten", target)
+            return
+        _write(target, record, self.header, sidecar)
+        self._last = (full, record, self.header, _stat(full))
         logger.debug("record written: %s", target)
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _write(target: str, record: ScaleOffsetRecord, header: str, sidecar: SidecarOut) -> None:

@@ -57,3 +57,32 @@ def test_a_failed_background_write_is_logged_once_and_retried(tmp_path, caplog):
     model(x)
     model._openamct.wait()
     assert "selective_prune" in (folder / "r.txt").read_text()
+
+
+def test_an_unchanged_record_is_not_rewritten_and_a_changed_one_is(tmp_path):
+    """save after the eval forward that wrote the scales finds nothing new; after more training
+    it writes again. Either way the record holds what the ONNX files were made from."""
+    cfg = tmp_path / "q.cfg"
+    cfg.write_text("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+                   + CFG)
+    x = torch.randn(2, 3, 32, 32)
+    rec = tmp_path / "r.txt"
+    model = amct.create_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], str(cfg), str(rec))
+    model.train()
+    model(x).square().mean().backward()
+    model.eval()
+    model(x)
+    before = rec.stat()
+    amct.save_compressed_retrain_model(model, str(rec), str(tmp_path / "a"), x[:1])
+    after = rec.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    text = rec.read_text()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    model(x).square().mean().backward()
+    opt.step()
+    amct.save_compressed_retrain_model(model, str(rec), str(tmp_path / "b"), x[:1])
+    assert rec.stat().st_ino != before.st_ino and rec.read_text() != text
+    rec.unlink()  # gone: written again even though nothing changed
+    amct.save_compressed_retrain_model(model, str(rec), str(tmp_path / "c"), x[:1])
+    assert rec.is_file()
