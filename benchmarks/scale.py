@@ -131,6 +131,7 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
         work(**ids)
     out["eval"] = (p.seconds, p.above)
     out["record_after_eval"] = os.path.getsize(rec)
+    out["mask_file"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if ".masks-" in f)
     prefix = os.path.join(folder, "llama")
     with Peak() as p:
         amct.save_compressed_retrain_model(work, rec, prefix, ids)
@@ -202,7 +203,7 @@ def report(size: str, life: dict, plain: dict) -> None:
     steady = min(life["train2"][0], life["train3"][0])
     fp32 = min(plain["fp32_step2"][0], plain["fp32_step3"][0])
     print(f"record: {life['record_after_train'] / 1e6:.1f} MB after training, {life['record_after_eval'] / 1e6:.1f} MB "
-          f"after eval; files: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in life["files"].items()))
+          f"after eval, mask file {life.get('mask_file', 0) / 1e6:.1f} MB; files: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in life["files"].items()))
     print(f"ratios: steady step / FP32 step {steady / fp32:.2f}, first / steady {life['train1'][0] / steady:.2f}, "
           f"save / plain export {life['save'][0] / plain['plain_export'][0]:.2f}, "
           f"save peak+ - plain export peak+ = {(life['save'][1] - plain['plain_export'][1]) / w:.2f} W")
