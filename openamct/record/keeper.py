@@ -90,6 +90,8 @@ class RecordKeeper:
         eval_after_training = not model.training and self._trained
         if eval_after_training:
             self._trained = False
+        if self._writer is not None and not self._writer.is_alive():
+            self.wait()  # finished: learn now whether it failed (never blocks)
         retry, self._retry = self._retry, False
         if not (retry or eval_after_training or any(t.record_due(s, self.layers) for t, s in self.applied)):
             return

@@ -48,7 +48,9 @@ def test_a_failed_background_write_is_logged_once_and_retried(tmp_path, caplog):
     model.train()
     with caplog.at_level(logging.ERROR, logger="openamct.record.keeper"):
         model(x)  # masks computed: the write fails on its thread
-        model(x)  # reported here, and tried again
+        model._openamct._writer.join()
+        model(x)  # the failure is learnt at the next forward: logged, and the write tried again
+        model._openamct.wait()  # fails again: not logged twice
         model(x)
         model._openamct.wait()
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
