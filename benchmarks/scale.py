@@ -4,7 +4,7 @@ create -> 3 training steps (the first computes the masks and initialises the cli
 step is the faster of the other two) -> eval forward -> save -> ORT load of both files, each step timed
 and its peak RSS sampled (a thread reads /proc/self/statm every 2 ms). Peaks are printed as
 "above what the process held when the step began", divided by the model's weight bytes, so
-sizes compare directly. For reference, a plain FP32 training step and a plain float
+sizes compare directly, and as the process's absolute peak. For reference, a plain FP32 training step and a plain float
 ``torch.onnx.export`` (same exporter and opset as save) run in a separate process: memory a
 finished step freed would otherwise be reused by the next one and hide its peak.
 
@@ -117,25 +117,25 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     rec = os.path.join(folder, "record.txt")
     with Peak() as p:
         work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
-    out["create"] = (p.seconds, p.above)
+    out["create"] = (p.seconds, p.above, p.peak)
     work.train()
     opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
     for i in (1, 2, 3):
         with Peak() as p:
             _step(work, ids, opt)
-        out[f"train{i}"] = (p.seconds, p.above)
+        out[f"train{i}"] = (p.seconds, p.above, p.peak)
     work._openamct.wait()  # the first step's record write, done in the background
     out["record_after_train"] = os.path.getsize(rec)
     work.eval()
     with Peak() as p, torch.no_grad():
         work(**ids)
-    out["eval"] = (p.seconds, p.above)
+    out["eval"] = (p.seconds, p.above, p.peak)
     out["record_after_eval"] = os.path.getsize(rec)
     out["mask_file"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if ".masks-" in f)
     prefix = os.path.join(folder, "llama")
     with Peak() as p:
         amct.save_compressed_retrain_model(work, rec, prefix, ids)
-    out["save"] = (p.seconds, p.above)
+    out["save"] = (p.seconds, p.above, p.peak)
     files = sorted(f for f in os.listdir(folder) if f.startswith("llama"))
     out["files"] = {f: os.path.getsize(os.path.join(folder, f)) for f in files}
     del work, opt
@@ -143,7 +143,7 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
         for f in files:
             if f.endswith(".onnx"):
                 ort.InferenceSession(os.path.join(folder, f), providers=["CPUExecutionProvider"])
-    out["ort_load"] = (p.seconds, p.above)
+    out["ort_load"] = (p.seconds, p.above, p.peak)
     return out
 
 
@@ -160,13 +160,13 @@ def run_plain(size: str, seq: int, folder: str) -> dict:
     for i in (1, 2, 3):
         with Peak() as p:
             _step(model, ids, opt)
-        out[f"fp32_step{i}"] = (p.seconds, p.above)
+        out[f"fp32_step{i}"] = (p.seconds, p.above, p.peak)
     model.eval()
     with Peak() as p, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (), kwargs=ids, f=os.path.join(folder, "plain.onnx"), dynamo=False, opset_version=17,
                           do_constant_folding=True)
-    out["plain_export"] = (p.seconds, p.above)
+    out["plain_export"] = (p.seconds, p.above, p.peak)
     return out
 
 
@@ -194,12 +194,12 @@ def report(size: str, life: dict, plain: dict) -> None:
     w = life["weights"]
     print(f"\n== {size}: {life['params'] / 1e6:.0f}M params, weights {w / 1e9:.2f} GB, "
           f"process held {life['base_rss'] / 1e9:.2f} GB before create")
-    print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}")
+    print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}{'peak GB':>9}")
     for key, src in (("create", life), ("train1", life), ("train2", life), ("train3", life), ("eval", life),
                      ("save", life), ("ort_load", life), ("fp32_step1", plain), ("fp32_step2", plain),
                      ("fp32_step3", plain), ("plain_export", plain)):
-        s, b = src[key]
-        print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}")
+        s, b, peak = src[key]
+        print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}{peak / 1e9:>9.2f}")
     steady = min(life["train2"][0], life["train3"][0])
     fp32 = min(plain["fp32_step2"][0], plain["fp32_step3"][0])
     print(f"record: {life['record_after_train'] / 1e6:.1f} MB after training, {life['record_after_eval'] / 1e6:.1f} MB "
