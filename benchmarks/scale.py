@@ -1,11 +1,13 @@
 """The whole 2:4 + INT8 lifecycle on random-weight Llama models of growing size (issue 19).
 
 create -> 3 training steps (the first computes the masks and initialises the clips; the steady
-step is the faster of the other two) -> eval forward -> save -> ORT load of both files, each step timed
-and its peak RSS sampled (a thread reads /proc/self/statm every 2 ms). Peaks are printed as
-"above what the process held when the step began", divided by the model's weight bytes, so
-sizes compare directly, and as the process's absolute peak. For reference, a plain FP32 training step and a plain float
-``torch.onnx.export`` (same exporter and opset as save) run in a separate process: memory a
+step is the faster of the other two) -> eval forward -> save -> ORT load of both files ->
+restore from a checkpoint of the trained model, each step timed and its peak RSS sampled (a
+thread reads /proc/self/statm every 2 ms). Peaks are printed as "above what the process held
+when the step began", divided by the model's weight bytes, so sizes compare directly, and as
+the process's absolute peak. Restore runs after the trained copy is freed, into memory the
+allocator may reuse: its "above" figure is a lower bound, its absolute peak is not. For
+reference, a plain FP32 training step and a plain float ``torch.onnx.export`` (same exporter and opset as save) run in a separate process: memory a
 finished step freed would otherwise be reused by the next one and hide its peak.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
@@ -138,12 +140,17 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     out["save"] = (p.seconds, p.above, p.peak)
     files = sorted(f for f in os.listdir(folder) if f.startswith("llama"))
     out["files"] = {f: os.path.getsize(os.path.join(folder, f)) for f in files}
+    ckpt = os.path.join(folder, "ckpt.pth")
+    torch.save(work.state_dict(), ckpt)
     del work, opt
     with Peak() as p:
         for f in files:
             if f.endswith(".onnx"):
                 ort.InferenceSession(os.path.join(folder, f), providers=["CPUExecutionProvider"])
     out["ort_load"] = (p.seconds, p.above, p.peak)
+    with Peak() as p:
+        amct.restore_compressed_retrain_model(model, ids, cfg, rec, ckpt)
+    out["restore"] = (p.seconds, p.above, p.peak)
     return out
 
 
@@ -196,7 +203,7 @@ def report(size: str, life: dict, plain: dict) -> None:
           f"process held {life['base_rss'] / 1e9:.2f} GB before create")
     print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}{'peak GB':>9}")
     for key, src in (("create", life), ("train1", life), ("train2", life), ("train3", life), ("eval", life),
-                     ("save", life), ("ort_load", life), ("fp32_step1", plain), ("fp32_step2", plain),
+                     ("save", life), ("ort_load", life), ("restore", life), ("fp32_step1", plain), ("fp32_step2", plain),
                      ("fp32_step3", plain), ("plain_export", plain)):
         s, b, peak = src[key]
         print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}{peak / 1e9:>9.2f}")
