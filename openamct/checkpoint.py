@@ -63,7 +63,8 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(f"{where}: {key!r} holds {bad} NaN/inf value(s) (training diverged?): "
                              "resume from an earlier checkpoint")
-        if key.endswith(".mask") and value.numel() and not bool(((value == 0) | (value == 1)).all()):
+        if (key.endswith(".mask") and value.dtype != torch.bool and value.numel()
+                and not bool(((value == 0) | (value == 1)).all())):
             odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
             raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
         if key.endswith("act_quant.clip_max"):

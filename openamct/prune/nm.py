@@ -320,7 +320,7 @@ class NMSparsifier(nn.Module):
                 f"mask: shape {list(mask.shape)} does not match weight shape "
                 f"{list(self.weight_shape)}"
             )
-        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("mask: values must be 0 or 1")
         self._install(mask)
 

@@ -326,3 +326,18 @@ def test_pack_layout_and_errors():
         unpack_mask([3], [8])
     with pytest.raises(ValueError, match="0 or 1"):
         pack_mask(torch.tensor([0.0, 2.0]))
+
+
+@pytest.mark.parametrize("shape,axis,groups", [((8, 6, 3, 3), 1, 1), ((12, 5, 3, 3), 0, 3), ((10, 7), 1, 1),
+                                               ((6, 4, 2), 0, 2)])
+def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, groups):
+    """check_nm_pattern counts kept weights beyond 2 per group of 4 (issue 19: recomputing a mask
+    from the mask was most of restore's time); the count equals what the recompute drops."""
+    from openamct.techniques.sparsity24 import excess_over_2_of_4
+
+    torch.manual_seed(0)
+    for p in (0.3, 0.5, 0.8, 1.0):
+        keep = torch.rand(shape) < p
+        allowed = compute_nm_mask(keep.float(), axis, 2, 4, groups=groups, as_bool=True)
+        assert excess_over_2_of_4(keep, axis, groups) == int((keep & ~allowed).sum())
+    assert excess_over_2_of_4(compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True), axis, groups) == 0
