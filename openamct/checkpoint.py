@@ -53,15 +53,18 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
         value = sd[key]
-        if value.is_floating_point() != mine.is_floating_point() or (
-                not mine.is_floating_point() and value.dtype != mine.dtype and value.numel()):
+        # 2:4 masks were float buffers before issue 19 (now bool): those checkpoints still load.
+        old_float_mask = key.endswith(".mask") and mine.dtype == torch.bool and value.is_floating_point()
+        if not old_float_mask and (value.is_floating_point() != mine.is_floating_point() or (
+                not mine.is_floating_point() and value.dtype != mine.dtype and value.numel())):
             raise ValueError(f"{where}: {key!r} has dtype {value.dtype} but the model's is {mine.dtype}: save "
                              "the checkpoint from the model that create_*/restore_* returned, without casting it")
         if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(f"{where}: {key!r} holds {bad} NaN/inf value(s) (training diverged?): "
                              "resume from an earlier checkpoint")
-        if key.endswith(".mask") and value.numel() and not bool(((value == 0) | (value == 1)).all()):
+        if (key.endswith(".mask") and value.dtype != torch.bool and value.numel()
+                and not bool(((value == 0) | (value == 1)).all())):
             odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
             raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
         if key.endswith("act_quant.clip_max"):

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 
@@ -63,6 +64,10 @@ def _probe_folder(arg: str, path: str) -> None:
 
 
 _BIG = 64 << 20  # an ONNX file larger than this is judged by its first field, not parsed whole
+# A record larger than this is judged by its first entry, not parsed whole: a 250M-parameter
+# model's record (3 MB of scales) took 4 s to parse, twice per save (issue 19).
+_BIG_RECORD = 1 << 20
+_RECORD_START = re.compile(rb"\A(?:\s*#[^\n]*\n)*\s*(?:record|prune_record)\s*\{")
 
 
 def _is_kind(path: str, kind: str) -> bool:
@@ -70,6 +75,10 @@ def _is_kind(path: str, kind: str) -> bool:
         if kind == "onnx" and os.path.getsize(path) > _BIG:
             with open(path, "rb") as f:
                 return f.read(1) == b"\x08"  # ModelProto's first field: ir_version (1, varint)
+        if kind == "record" and os.path.getsize(path) > _BIG_RECORD:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+            return _RECORD_START.match(head) is not None  # comment lines, then a record's first field
         with open(path, "rb") as f:
             raw = f.read()
     except OSError:

@@ -23,7 +23,7 @@ def report_record(path: str) -> dict:
         q["offset_d"] = int(v.offset_d)
         if len(v.scale_w):
             q["scale_w"] = {"count": len(v.scale_w), "min": min(v.scale_w), "max": max(v.scale_w)}
-    for name, mask in masks_in_record(record).items():
+    for name, mask in masks_in_record(record, path).items():
         total = mask.numel()
         entry(name)["sparsity_2_4"] = {"mask_shape": list(mask.shape), "zeros": round(1 - float(mask.sum()) / max(total, 1), 4)}
     groups = []

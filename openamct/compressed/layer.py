@@ -125,7 +125,7 @@ class CompressedLayer(WeightOp):
         recompute the mask)."""
         masks = [getattr(self, n) for n in self.mask_names]
         for m in ([self.sparsity] if self.sparsity is not None else []) + masks:
-            w = m(w) if step else w * m.mask.to(w.dtype)
+            w = m(w) if step else w * (m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
         return w
 
     def effective_weight_bias(self) -> tuple[Tensor, Tensor | None]:

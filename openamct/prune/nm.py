@@ -197,7 +197,8 @@ class _MaskSTE(torch.autograd.Function):
 class NMSparsifier(nn.Module):
     """Applies a 2:4 mask to a weight: ``forward(w) -> w * mask``.
 
-    State (all in the state_dict): ``mask`` (weight dtype, 0/1), ``mask_ready`` (bool),
+    State (all in the state_dict): ``mask`` (bool, True = kept: a byte per weight, not a float
+    copy of the weight; checkpoints with float 0/1 masks still load), ``mask_ready`` (bool),
     ``step`` (int64, training forwards seen). In training mode the mask is computed from ``w``
     on the first forward and, with ``update_freq`` > 0, recomputed whenever
     ``step % update_freq == 0``; ``update_freq == 0`` keeps the first mask. Eval mode never
@@ -239,8 +240,9 @@ class NMSparsifier(nn.Module):
             raise ValueError(f"groups: {groups} does not divide weight_shape[{axis}]={shape[axis]}")
         self.weight_shape = torch.Size(shape)
         self.axis = axis
-        dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self.register_buffer("mask", torch.ones(shape, dtype=dtype, device=device))
+        # ``dtype`` (the weight's) is accepted for the callers that pass it; the mask is bool
+        # whatever the weight: ``w * mask`` promotes on the fly, no float mask is materialised.
+        self.register_buffer("mask", torch.ones(shape, dtype=torch.bool, device=device))
         self.register_buffer("mask_ready", torch.zeros((), dtype=torch.bool, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         # Not checkpointed: see `version`. A buffer so it follows .to(device) and is bumped
@@ -288,7 +290,7 @@ class NMSparsifier(nn.Module):
             self.step.fill_(self._step)
         elif not self._ready:
             self._recompute(w)
-        mask = self.mask if self.mask.dtype == w.dtype else self.mask.to(w.dtype)
+        mask = self.mask if self.mask.dtype in (torch.bool, w.dtype) else self.mask.to(w.dtype)
         if torch.is_grad_enabled() and w.requires_grad:
             return _MaskSTE.apply(w, mask)
         return w * mask
@@ -318,7 +320,7 @@ class NMSparsifier(nn.Module):
                 f"mask: shape {list(mask.shape)} does not match weight shape "
                 f"{list(self.weight_shape)}"
             )
-        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("mask: values must be 0 or 1")
         self._install(mask)
 

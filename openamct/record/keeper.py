@@ -6,11 +6,21 @@ create, as soon as a technique says its entries are out of date (a 2:4 mask comp
 changed), at the first eval-mode forward after training (the quantization scales) and at
 save. Each technique writes its own entries. Writes are atomic and happen on rank 0 only, so
 every rank of a DDP job can hold a keeper.
+
+A write that a training forward triggers (the first batch's 2:4 masks) is not done inside the
+step: the record is built from the model there (cheap: masks are packed once per change and
+cached), and serialised and written by one background thread while backward and the optimizer
+run (issue 19). At most one such write is in flight; ``wait()`` joins it, and everything that
+reads or replaces the record joins it first: the next write, an eval-mode write, ``flush``
+(create, save), ``state_dict`` (a checkpoint must not be newer than the record it goes with
+unnoticed) and interpreter exit (the thread is not a daemon).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import Any
 
 import torch
@@ -18,6 +28,7 @@ from torch import nn
 
 from openamct.record.file_io import write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.record.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +44,20 @@ class RecordKeeper:
         self.applied = applied  # (technique, its state), in the order they were applied
         self.layers = layers  # name -> CompressedLayer
         self._trained = False
+        self._writer: threading.Thread | None = None  # the background write in flight
+        self._write_error: OSError | None = None
+        self._retry = False  # a background write failed: write again at the next forward
+        # (path, record, header, (size, mtime) of the file) of the last write: an unchanged
+        # record is not written again (save after an eval forward rewrote megabytes of scales).
+        self._last: tuple | None = None
         self.header = ""  # comment lines written above the record: the model's fingerprint
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()
+
+    def __getstate__(self) -> dict:
+        # Copies (the export's working copy) share no write in flight: a thread cannot be copied.
+        return {**self.__dict__, "_writer": None, "_write_error": None, "_last": None}
 
     @property
     def techniques(self) -> list:
@@ -47,7 +68,7 @@ class RecordKeeper:
         model._openamct = self
         model.register_forward_pre_hook(self.before_forward)
         model.register_forward_hook(self.after_forward)
-        model.register_state_dict_pre_hook(lambda *_: self.undo_failed_forward())
+        model.register_state_dict_pre_hook(lambda *_: (self.undo_failed_forward(), self.wait()))
 
     def undo_failed_forward(self) -> None:
         """Put back the state a forward that raised had changed (see compressed/rollback.py)."""
@@ -69,19 +90,63 @@ class RecordKeeper:
         eval_after_training = not model.training and self._trained
         if eval_after_training:
             self._trained = False
-        if eval_after_training or any(t.record_due(s, self.layers) for t, s in self.applied):
+        if self._writer is not None and not self._writer.is_alive():
+            self.wait()  # finished: learn now whether it failed (never blocks)
+        retry, self._retry = self._retry, False
+        if not (retry or eval_after_training or any(t.record_due(s, self.layers) for t, s in self.applied)):
+            return
+        if model.training:
+            self.write_in_background()
+            return
+        try:
+            self.flush()
+        except OSError as exc:
+            # Never crash the user's forward over the record: it stays due and is written at
+            # the next forward that can (or save, which reports it).
+            self._trained = self._trained or eval_after_training
+            self._write_failed_now(exc)
+        else:
+            self._write_failed = False
+
+    def _write_failed_now(self, exc: OSError) -> None:
+        if not getattr(self, "_write_failed", False):
+            logger.error("record_file %r cannot be written (%s); the model keeps training and the record "
+                         "is written as soon as it can be", self.path, exc)
+        self._write_failed = True
+        self._retry = True
+
+    # -- writing ---------------------------------------------------------------------------
+    def write_in_background(self) -> None:
+        """Build the record now, write it on a thread (joined by the next write or ``wait``)."""
+        self.wait()
+        if not is_writer_rank():
+            self.mark_recorded()
+            return
+        target = self.path
+        sidecar = SidecarOut(target)
+        record = self.build(sidecar)
+        self.mark_recorded()  # what was built is what the record will say; a failure sets _retry
+
+        def run() -> None:
             try:
-                self.flush()
+                self._write_if_changed(target, record, sidecar)
             except OSError as exc:
-                # Never crash the user's forward over the record: it stays due and is written at
-                # the next forward that can (or save, which reports it).
-                self._trained = self._trained or eval_after_training
-                if not getattr(self, "_write_failed", False):
-                    logger.error("record_file %r cannot be written (%s); the model keeps training and the record "
-                                 "is written as soon as it can be", self.path, exc)
-                self._write_failed = True
-            else:
-                self._write_failed = False
+                self._write_error = exc
+
+        self._writer = threading.Thread(target=run, name="openamct-record", daemon=False)
+        self._writer.start()
+
+    def wait(self) -> None:
+        """Join the background write in flight, if any (a failure is logged once, then retried)."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        writer.join()
+        exc, self._write_error = self._write_error, None
+        if exc is not None:
+            self._write_failed_now(exc)
+        else:
+            self._write_failed = False
 
     def mark_recorded(self) -> None:
         for technique, state in self.applied:
@@ -92,16 +157,47 @@ class RecordKeeper:
             technique.after_checkpoint(state, self.layers)
 
     # -- content ---------------------------------------------------------------------------
-    def build(self) -> ScaleOffsetRecord:
+    def build(self, sidecar: SidecarOut | None = None) -> ScaleOffsetRecord:
         record = ScaleOffsetRecord()
         for technique, state in self.applied:
-            technique.to_record(state, self.layers, record)
+            if sidecar is not None and technique.writes_sidecar:
+                technique.to_record(state, self.layers, record, sidecar=sidecar)
+            else:
+                technique.to_record(state, self.layers, record)
         return record
 
     def flush(self, path: str | None = None) -> None:
-        """Write the record now (atomically; rank 0 only)."""
+        """Write the record now (atomically; rank 0 only), its mask file first (sidecar.py)."""
         target = path or self.path
+        self.wait()
         if is_writer_rank():
-            write_record(target, self.build(), self.header)
+            sidecar = SidecarOut(target)
+            self._write_if_changed(target, self.build(sidecar), sidecar)
         self.mark_recorded()  # after the write: a failed one leaves the record due
+
+    def _write_if_changed(self, target: str, record: ScaleOffsetRecord, sidecar: SidecarOut) -> None:
+        full = os.path.abspath(target)
+        last = self._last
+        if last is not None and last[:3] == (full, record, self.header) and _stat(full) == last[3]:
+            write_sidecars(target, sidecar.blobs)  # nothing to do unless one was deleted
+            logger.debug("record %s unchanged: not rewritten", target)
+            return
+        _write(target, record, self.header, sidecar)
+        self._last = (full, record, self.header, _stat(full))
         logger.debug("record written: %s", target)
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _write(target: str, record: ScaleOffsetRecord, header: str, sidecar: SidecarOut) -> None:
+    """Mask file first, then the record, then older mask files: a crash between any two leaves
+    a record whose mask file exists (sidecar.py)."""
+    write_sidecars(target, sidecar.blobs)
+    write_record(target, record, header)
+    remove_unnamed_sidecars(target, record)

@@ -41,6 +41,7 @@ class Context:
     plan: Plan
     record: ScaleOffsetRecord  # restore: the record read; create: empty
     restoring: bool
+    record_file: str | None = None  # restore: the record's path (its mask file lies beside it)
     parts: dict[str, LayerParts] = field(default_factory=dict)
 
     def parts_of(self, name: str) -> LayerParts:
@@ -71,6 +72,9 @@ class Technique:
     """Base class: the defaults are "nothing to do"; a technique overrides what it owns."""
 
     name = ""
+    # True: ``to_record`` takes ``sidecar=`` (a record.sidecar.SidecarOut) and may put bulky
+    # data beside the record instead of in it.
+    writes_sidecar = False
 
     def planned(self, plan: Plan) -> list[LayerPlan]:
         """The layers the config selects for this technique."""

@@ -38,7 +38,8 @@ def _edit(sd, key, fn):
 CASES = [
     ("conv.weight", lambda t: t.mul(100).long(), r"'conv.weight' has dtype torch.int64 but the model's is torch.float32"),
     ("fc.weight", lambda t: t.index_fill_(1, torch.tensor([0]), float("nan")), r"'fc.weight' holds 4 NaN/inf value"),
-    ("conv.sparsity.mask", lambda t: t.fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
+    # masks are bool since issue 19: a 0.5 can only come in a float (older) checkpoint's mask
+    ("conv.sparsity.mask", lambda t: t.float().fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
     ("conv.sparsity.mask", lambda t: t.fill_(1.0), r"'conv.sparsity.mask' is not a 2:4 mask: \d+ group\(s\) of 4 weights "
                                                    r"keep more than 2 \(1152 of 1152 weights kept\)"),
     ("fc.sparsity.step", lambda t: t.double(), r"'fc.sparsity.step' has dtype torch.float64 but the model's is torch.int64"),

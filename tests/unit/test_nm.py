@@ -233,10 +233,14 @@ def test_state_dict_round_trip_and_set_mask():
         parent["sp"](layer.weight + torch.randn_like(layer.weight))
     sd = parent.state_dict()
     assert set(sd) == {"sp.mask", "sp.mask_ready", "sp.step"}
-    assert sd["sp.mask"].dtype == layer.weight.dtype and sd["sp.step"].dtype == torch.int64
+    # bool: a byte per weight, not a float copy of the weight (issue 19)
+    assert sd["sp.mask"].dtype == torch.bool and sd["sp.step"].dtype == torch.int64
     fresh = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
     fresh.load_state_dict(sd)
     assert torch.equal(fresh["sp"].mask, parent["sp"].mask) and fresh["sp"].version == 1
+    older = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
+    older.load_state_dict({**sd, "sp.mask": sd["sp.mask"].float()})  # a float mask (before issue 19)
+    assert older["sp"].mask.dtype == torch.bool and torch.equal(older["sp"].mask, parent["sp"].mask)
     # Host-side schedule resumes: step 3 -> forward at step 3 is not a multiple of 2.
     before = fresh["sp"].mask.clone()
     fresh["sp"](layer.weight.detach() * 0 + torch.arange(8.0).view(1, 8, 1, 1))
@@ -322,3 +326,18 @@ def test_pack_layout_and_errors():
         unpack_mask([3], [8])
     with pytest.raises(ValueError, match="0 or 1"):
         pack_mask(torch.tensor([0.0, 2.0]))
+
+
+@pytest.mark.parametrize("shape,axis,groups", [((8, 6, 3, 3), 1, 1), ((12, 5, 3, 3), 0, 3), ((10, 7), 1, 1),
+                                               ((6, 4, 2), 0, 2)])
+def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, groups):
+    """check_nm_pattern counts kept weights beyond 2 per group of 4 (issue 19: recomputing a mask
+    from the mask was most of restore's time); the count equals what the recompute drops."""
+    from openamct.techniques.sparsity24 import excess_over_2_of_4
+
+    torch.manual_seed(0)
+    for p in (0.3, 0.5, 0.8, 1.0):
+        keep = torch.rand(shape) < p
+        allowed = compute_nm_mask(keep.float(), axis, 2, 4, groups=groups, as_bool=True)
+        assert excess_over_2_of_4(keep, axis, groups) == int((keep & ~allowed).sum())
+    assert excess_over_2_of_4(compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True), axis, groups) == 0

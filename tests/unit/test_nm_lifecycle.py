@@ -146,3 +146,21 @@ def test_record_mask_of_wrong_shape_names_the_layer(tmp_path):
     open(rec, "w").write(bad)
     with pytest.raises(ValueError, match=r"selective_prune 'features\.\S+'"):
         amct.restore_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x, rec, cfg(tmp_path, 0), ck)
+
+
+def test_checkpoint_with_float_masks_from_before_issue_19_restores(tmp_path):
+    """Masks are bool buffers now (a byte per weight); older checkpoints held float 0/1 masks."""
+    x = torch.randn(4, 3, 32, 32)
+    rec, ck = str(tmp_path / "rec.txt"), str(tmp_path / "ck.pth")
+    model = amct.create_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, 0), rec)
+    train(model, x, steps=1)
+    model.eval()
+    y = model(x)
+    sd = model.state_dict()
+    masks = [k for k in sd if k.endswith("sparsity.mask")]
+    assert masks and all(sd[k].dtype == torch.bool for k in masks)
+    torch.save({k: (v.float() if k in masks else v) for k, v in sd.items()}, ck)
+    restored = amct.restore_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], rec, cfg(tmp_path, 0), ck)
+    restored.eval()
+    assert torch.equal(restored(x), y)
+    assert all(m.sparsity.mask.dtype == torch.bool for m in layers(restored).values())

@@ -123,3 +123,18 @@ def test_read_only_save_folder_is_refused_before_export(tmp_path):
     with pytest.raises(ValueError, match="save_path .*folder '/proc' is not writable"):
         amct.save_compressed_retrain_model(m, str(tmp_path / "rec2.txt"), "/proc/model", X)
     assert not os.path.exists(tmp_path / "rec2.txt")
+
+
+def test_a_large_record_is_recognised_by_its_start_and_a_large_other_file_refused(tmp_path):
+    """Above 1 MB a record is judged by its first entry, not parsed whole (issue 19: parsing a
+    250M-parameter model's record twice made up a third of save)."""
+    from openamct.output_paths import check_output
+
+    rec, other = tmp_path / "big.txt", tmp_path / "notes.txt"
+    entry = 'record {\n  key: "fc"\n  value {\n    scale_d: 0.5\n    offset_d: 0\n  }\n}\n'
+    rec.write_text("# openamct-fingerprint: 0123456789abcdef (1 layers)\n" + entry * (1 + (2 << 20) // len(entry)))
+    other.write_text("just some notes, not a record {\n" * 70000)
+    assert rec.stat().st_size > 1 << 20 and other.stat().st_size > 1 << 20
+    assert check_output("record_file", str(rec), "record") == str(rec)
+    with pytest.raises(ValueError, match="exists and is not an openamct/AMCT record file"):
+        check_output("record_file", str(other), "record")

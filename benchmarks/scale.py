@@ -1,0 +1,252 @@
+"""The whole 2:4 + INT8 lifecycle on random-weight Llama models of growing size (issue 19).
+
+create -> 3 training steps (the first computes the masks and initialises the clips; the steady
+step is the faster of the other two) -> eval forward -> save -> ORT load of both files ->
+restore from a checkpoint of the trained model, each step timed and its peak RSS sampled (a
+thread reads /proc/self/statm every 2 ms). Peaks are printed as "above what the process held
+when the step began", divided by the model's weight bytes, so sizes compare directly, and as
+the process's absolute peak. Restore runs after the trained copy is freed, into memory the
+allocator may reuse: its "above" figure is a lower bound, its absolute peak is not. For
+reference, a plain FP32 training step and a plain float ``torch.onnx.export`` (same exporter and opset as save) run in a separate process: memory a
+finished step freed would otherwise be reused by the next one and hide its peak.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --sizes 1.1b --allow-1b   # needs ~20 GB
+
+Random weights, eager attention, no downloads. Timings on a shared machine are noisy: compare
+ratios measured in one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SIZES = {  # name -> LlamaConfig arguments (untied head, vocab 32000)
+    "60m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=8),
+    "250m": dict(hidden_size=1024, intermediate_size=2304, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=16),
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4),  # TinyLlama's shape
+}
+
+CFG = ("retrain_data_quant_config { ulq_quantize { dst_type: INT8 } }\n"
+       "retrain_weight_quant_config { arq_retrain { dst_type: INT8 channel_wise: true } }\n"
+       "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 0 } } }\n")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class Peak:
+    """Peak RSS during a ``with`` block, above the RSS at its start."""
+
+    def __enter__(self):
+        self.start = self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+        self.above = self.peak - self.start
+
+
+def build(size: str, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False,
+                      use_cache=False, attn_implementation="eager", **SIZES[size])
+    return LlamaForCausalLM(cfg)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def inputs(seq: int) -> dict:
+    """Token ids and an all-ones attention mask: without a mask, transformers looks for packed
+    sequences with ``torch.diff``, which the ONNX exporter cannot convert."""
+    import torch
+
+    return {"input_ids": torch.randint(0, 32000, (1, seq)), "attention_mask": torch.ones(1, seq, dtype=torch.int64)}
+
+
+def _step(model, x, opt):
+    out = model(**x)
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    loss = logits.float().logsumexp(-1).mean()  # any scalar that touches every output
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_lifecycle(size: str, seq: int, folder: str) -> dict:
+    import onnxruntime as ort
+    import torch
+
+    import openamct as amct
+
+    model = build(size)
+    ids = inputs(seq)
+    out = {"params": sum(p.numel() for p in model.parameters()), "weights": weight_bytes(model),
+           "base_rss": rss()}
+    cfg = os.path.join(folder, "cfg.cfg")
+    with open(cfg, "w") as f:
+        f.write(CFG)
+    rec = os.path.join(folder, "record.txt")
+    with Peak() as p:
+        work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+    out["create"] = (p.seconds, p.above, p.peak)
+    work.train()
+    opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
+    for i in (1, 2, 3):
+        with Peak() as p:
+            _step(work, ids, opt)
+        out[f"train{i}"] = (p.seconds, p.above, p.peak)
+    work._openamct.wait()  # the first step's record write, done in the background
+    out["record_after_train"] = os.path.getsize(rec)
+    work.eval()
+    with Peak() as p, torch.no_grad():
+        work(**ids)
+    out["eval"] = (p.seconds, p.above, p.peak)
+    out["record_after_eval"] = os.path.getsize(rec)
+    out["mask_file"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if ".masks-" in f)
+    prefix = os.path.join(folder, "llama")
+    with Peak() as p:
+        amct.save_compressed_retrain_model(work, rec, prefix, ids)
+    out["save"] = (p.seconds, p.above, p.peak)
+    files = sorted(f for f in os.listdir(folder) if f.startswith("llama"))
+    out["files"] = {f: os.path.getsize(os.path.join(folder, f)) for f in files}
+    ckpt = os.path.join(folder, "ckpt.pth")
+    torch.save(work.state_dict(), ckpt)
+    del work, opt
+    with Peak() as p:
+        for f in files:
+            if f.endswith(".onnx"):
+                ort.InferenceSession(os.path.join(folder, f), providers=["CPUExecutionProvider"])
+    out["ort_load"] = (p.seconds, p.above, p.peak)
+    with Peak() as p:
+        amct.restore_compressed_retrain_model(model, ids, cfg, rec, ckpt)
+    out["restore"] = (p.seconds, p.above, p.peak)
+    return out
+
+
+def run_plain(size: str, seq: int, folder: str) -> dict:
+    import warnings
+
+    import torch
+
+    model = build(size)
+    ids = inputs(seq)
+    out = {"weights": weight_bytes(model)}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    model.train()
+    for i in (1, 2, 3):
+        with Peak() as p:
+            _step(model, ids, opt)
+        out[f"fp32_step{i}"] = (p.seconds, p.above, p.peak)
+    model.eval()
+    with Peak() as p, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (), kwargs=ids, f=os.path.join(folder, "plain.onnx"), dynamo=False, opset_version=17,
+                          do_constant_folding=True)
+    out["plain_export"] = (p.seconds, p.above, p.peak)
+    return out
+
+
+def child(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:
+        fn = run_lifecycle if args.part == "lifecycle" else run_plain
+        print("RESULT " + json.dumps(fn(args.size, args.seq, folder)), flush=True)
+
+
+def spawn(part: str, size: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--size", size, "--seq", str(args.seq),
+           "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{part} {size} failed (rc {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def report(size: str, life: dict, plain: dict) -> None:
+    w = life["weights"]
+    print(f"\n== {size}: {life['params'] / 1e6:.0f}M params, weights {w / 1e9:.2f} GB, "
+          f"process held {life['base_rss'] / 1e9:.2f} GB before create")
+    print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}{'peak GB':>9}")
+    for key, src in (("create", life), ("train1", life), ("train2", life), ("train3", life), ("eval", life),
+                     ("save", life), ("ort_load", life), ("restore", life), ("fp32_step1", plain), ("fp32_step2", plain),
+                     ("fp32_step3", plain), ("plain_export", plain)):
+        s, b, peak = src[key]
+        print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}{peak / 1e9:>9.2f}")
+    steady = min(life["train2"][0], life["train3"][0])
+    fp32 = min(plain["fp32_step2"][0], plain["fp32_step3"][0])
+    print(f"record: {life['record_after_train'] / 1e6:.1f} MB after training, {life['record_after_eval'] / 1e6:.1f} MB "
+          f"after eval, mask file {life.get('mask_file', 0) / 1e6:.1f} MB; files: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in life["files"].items()))
+    print(f"ratios: steady step / FP32 step {steady / fp32:.2f}, first / steady {life['train1'][0] / steady:.2f}, "
+          f"save / plain export {life['save'][0] / plain['plain_export'][0]:.2f}, "
+          f"save peak+ - plain export peak+ = {(life['save'][1] - plain['plain_export'][1]) / w:.2f} W")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="60m", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--allow-1b", action="store_true", help="run 1.1b (about 20 GB peak: not on a shared machine)")
+    ap.add_argument("--part", choices=("lifecycle", "plain"), help=argparse.SUPPRESS)
+    ap.add_argument("--size", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.part:
+        child(args)
+        return
+    sizes = args.sizes.split(",")
+    for size in sizes:
+        if size not in SIZES:
+            raise SystemExit(f"--sizes: unknown size {size!r} (choose from {', '.join(SIZES)})")
+        if size == "1.1b" and not args.allow_1b:
+            raise SystemExit("--sizes 1.1b needs --allow-1b (about 20 GB of memory)")
+    results = {}
+    for size in sizes:
+        life, plain = spawn("lifecycle", size, args), spawn("plain", size, args)
+        results[size] = (life, plain)
+        report(size, life, plain)
+    for a, b in zip(sizes, sizes[1:]):
+        (la, _), (lb, _) = results[a], results[b]
+        grow = lb["params"] / la["params"]
+        print(f"\ngrowth {a} -> {b} ({grow:.1f}x params), time growth / param growth: " + ", ".join(
+            f"{k} {lb[k][0] / la[k][0] / grow:.2f}" for k in ("create", "train1", "train3", "eval", "save")))
+        print(f"growth {a} -> {b}, peak+ growth / param growth: " + ", ".join(
+            f"{k} {lb[k][1] / max(la[k][1], 1) / grow:.2f}" for k in ("create", "train1", "eval", "save")))
+
+
+if __name__ == "__main__":
+    main()

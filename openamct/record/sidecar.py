@@ -1,0 +1,152 @@
+"""Large 2:4 masks kept beside the record, in one binary file the record names (issue 19).
+
+Inline, a mask costs ~20 bytes of text per 64 weights: 116 MB for a 246M-parameter model,
+rewritten every time a scale changes. Above ``SIDECAR_MIN_WEIGHTS`` masked weights in total the
+record keeps each mask's ``mask_shape`` and, instead of ``selective_mask``, where its words lie:
+
+    attr { name: "mask_file"        type: STRING s: "record.txt.masks-<sha256[:16]>.bin" }
+    attr { name: "mask_file_bytes"  type: INT    i: <size of that file> }
+    attr { name: "mask_file_sha256" type: STRING s: "<sha256 of that file, hex>" }
+    attr { name: "mask_offset"      type: INT    i: <byte offset of this mask's words> }
+
+The file holds the masks' int64 words (mask_codec's layout, little-endian) back to back. Its name
+carries its hash, so it is written once per set of masks and never rewritten in place: a write
+that only changes scales touches the text record alone. Order of a write: the new mask file
+(atomic), then the record (atomic), then the mask files of this record that it no longer names.
+A crash at any point leaves a record whose mask file exists. Restore checks the file's size and
+SHA-256 before reading a mask and refuses a mismatch naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+
+import numpy as np
+
+from openamct._atomic import atomic_write_bytes
+from openamct.record import attrs
+from openamct.record.scale_offset_record_pb2 import PruneNode, ScaleOffsetRecord
+
+logger = logging.getLogger(__name__)
+
+# Below this, masks stay inline (upstream's form; the demo's record keeps its bytes): ~1.3 MB
+# of record text.
+SIDECAR_MIN_WEIGHTS = 1 << 22
+
+FILE, FILE_BYTES, FILE_SHA, OFFSET = "mask_file", "mask_file_bytes", "mask_file_sha256", "mask_offset"
+
+
+def sidecar_name(record_base: str, sha: str) -> str:
+    return f"{record_base}.masks-{sha[:16]}.bin"
+
+
+def _pattern(record_base: str) -> re.Pattern:
+    return re.compile(re.escape(record_base) + r"\.masks-[0-9a-f]{16}\.bin")
+
+
+class MaskBlob:
+    """The packed words of a set of masks, concatenated, with each mask's offset."""
+
+    def __init__(self, parts: list[tuple[str, bytes]]) -> None:
+        self.offsets: dict[str, int] = {}
+        pos = 0
+        for name, data in parts:
+            self.offsets[name] = pos
+            pos += len(data)
+        self.data = b"".join(data for _, data in parts)
+        self.sha256 = hashlib.sha256(self.data).hexdigest()
+
+    def describe(self, node: PruneNode, name: str, record_base: str) -> None:
+        attrs.add_str(node, FILE, sidecar_name(record_base, self.sha256))
+        attrs.add_int(node, FILE_BYTES, len(self.data))
+        attrs.add_str(node, FILE_SHA, self.sha256)
+        attrs.add_int(node, OFFSET, self.offsets[name])
+
+
+class SidecarOut:
+    """What one record write puts beside the record: the blobs its entries name."""
+
+    def __init__(self, record_path: str) -> None:
+        self.record_base = os.path.basename(os.path.abspath(record_path))
+        self.blobs: list[MaskBlob] = []
+
+    def add(self, blob: MaskBlob) -> None:
+        self.blobs.append(blob)
+
+
+def write_sidecars(record_path: str, blobs: list[MaskBlob]) -> None:
+    """Write the mask files a record about to be written names (those not already there)."""
+    folder, base = os.path.split(os.path.abspath(record_path))
+    for blob in blobs:
+        path = os.path.join(folder, sidecar_name(base, blob.sha256))
+        # Content-addressed: a file of that name and size is this blob (restore checks the hash).
+        if os.path.isfile(path) and os.path.getsize(path) == len(blob.data):
+            continue
+        atomic_write_bytes(path, blob.data)
+        logger.debug("mask file written: %s (%d bytes)", path, len(blob.data))
+
+
+def remove_unnamed_sidecars(record_path: str, record: ScaleOffsetRecord) -> None:
+    """After the record is in place: drop this record's older mask files it no longer names."""
+    folder, base = os.path.split(os.path.abspath(record_path))
+    named = {attrs.get_str(pr.selective_prune, FILE) for pr in record.prune_record if pr.HasField("selective_prune")}
+    pattern = _pattern(base)
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        if pattern.fullmatch(entry) and entry not in named:
+            try:
+                os.remove(os.path.join(folder, entry))
+            except OSError as exc:
+                logger.debug("old mask file %s not removed: %s", entry, exc)
+
+
+class SidecarReader:
+    """Verified access to the mask files one record names (each file read and checked once)."""
+
+    def __init__(self, record_path: str | None) -> None:
+        self.folder = os.path.dirname(os.path.abspath(record_path)) if record_path else None
+        self._files: dict[str, tuple[bytes, str]] = {}  # path -> (content, its sha256)
+
+    def words(self, node: PruneNode, count: int) -> np.ndarray:
+        name = attrs.get_str(node, FILE)
+        if self.folder is None:
+            raise ValueError(f"record_file: selective_prune {node.name!r} keeps its mask in {name!r}, which can "
+                             "only be read together with the record file's path")
+        if os.path.basename(name) != name or not name:
+            raise ValueError(f"record_file: selective_prune {node.name!r}: mask_file {name!r} must be a file name "
+                             "in the record's folder, not a path")
+        data = self._load(node, os.path.join(self.folder, name))
+        offset = attrs.get_int(node, OFFSET)
+        if offset is None or offset < 0 or offset % 8 or offset + 8 * count > len(data):
+            raise ValueError(f"record_file: selective_prune {node.name!r}: mask_offset {offset} with {count} words "
+                             f"lies outside mask file {os.path.join(self.folder, name)!r} ({len(data)} bytes)")
+        return np.frombuffer(data, dtype="<i8", count=count, offset=offset)
+
+    def _load(self, node: PruneNode, path: str) -> bytes:
+        size, sha = attrs.get_int(node, FILE_BYTES), attrs.get_str(node, FILE_SHA)
+        if path not in self._files:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                raise ValueError(f"record_file: mask file {path!r} (named by selective_prune {node.name!r}) cannot "
+                                 f"be read: {exc}") from None
+            if size != len(data):
+                raise ValueError(f"record_file: mask file {path!r} has {len(data)} bytes but the record says {size}: "
+                                 "it was changed or cut short after the record was written")
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != sha:
+                raise ValueError(f"record_file: mask file {path!r} does not match the record (sha256 {digest[:16]}... "
+                                 f"but the record says {str(sha)[:16]}...): it was changed after the record was written")
+            self._files[path] = (data, digest)
+        data, digest = self._files[path]
+        if (size, sha) != (len(data), digest):
+            raise ValueError(f"record_file: selective_prune {node.name!r} gives mask file {path!r} another size or "
+                             "sha256 than the record's other masks")
+        return data

@@ -1,0 +1,126 @@
+"""Large models' 2:4 masks live in a mask file beside the record (issue 19).
+
+The threshold is lowered so a small model takes the large-model path; the demo-sized default
+keeps masks inline (the golden test holds that)."""
+
+import os
+
+import pytest
+import torch
+
+import openamct as amct
+from openamct.compressed.layer import CompressedLayer
+from openamct.record.file_io import read_record
+from openamct.techniques import sparsity24
+from openamct.techniques.sparsity24 import masks_in_record
+from tests.models import MODELS
+from tests.training import sgd_steps
+
+CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+       "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: UF } } }\n")
+
+
+@pytest.fixture
+def sidecar_always(monkeypatch):
+    monkeypatch.setattr(sparsity24, "SIDECAR_MIN_WEIGHTS", 0)
+
+
+def cfg(tmp_path, update_freq=0):
+    p = tmp_path / "c.cfg"
+    p.write_text(CFG.replace("UF", str(update_freq)))
+    return str(p)
+
+
+def sidecars(folder):
+    return sorted(f for f in os.listdir(folder) if ".masks-" in f)
+
+
+def prune_part(path):
+    """The record's text from its first prune_record on (the 2:4 entries come after the scales)."""
+    text = open(path, encoding="utf-8").read()
+    return text[text.index("prune_record"):]
+
+
+def trained(tmp_path, update_freq=0, steps=1):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 32, 32)
+    rec = str(tmp_path / "rec.txt")
+    model = amct.create_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, update_freq), rec)
+    sgd_steps(model, x, steps=steps)
+    return model, x, rec
+
+
+def test_masks_go_to_a_named_verified_file_and_eval_only_adds_scales(tmp_path, sidecar_always):
+    model, x, rec = trained(tmp_path)
+    model._openamct.wait()
+    [side] = sidecars(tmp_path)
+    text = open(rec, encoding="utf-8").read()
+    assert "selective_mask" not in text and side in text and "mask_file_sha256" in text
+    before, stat = prune_part(rec), os.stat(tmp_path / side)
+    model.eval()
+    y = model(x)
+    after = open(rec, encoding="utf-8").read()
+    assert after.split("prune_record")[0] != text.split("prune_record")[0]  # the trained scales went in ...
+    assert prune_part(rec) == before  # ... the masks' entries are as they were ...
+    assert sidecars(tmp_path) == [side]
+    now = os.stat(tmp_path / side)
+    assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)  # ... and their file not rewritten
+    masks = masks_in_record(read_record(rec), rec)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, CompressedLayer)}
+    assert masks and all(torch.equal(masks[n], layers[n].sparsity.mask) for n in masks)
+    ck = str(tmp_path / "ck.pth")
+    torch.save(model.state_dict(), ck)
+    restored = amct.restore_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path), rec, ck)
+    restored.eval()
+    assert torch.allclose(restored(x), y, atol=1e-5)
+
+
+@pytest.mark.parametrize("tamper", ["flip", "truncate", "missing"])
+def test_a_changed_mask_file_is_refused_naming_it(tmp_path, sidecar_always, tamper):
+    model, x, rec = trained(tmp_path)
+    model.eval()
+    model(x)
+    ck = str(tmp_path / "ck.pth")
+    torch.save(model.state_dict(), ck)
+    path = tmp_path / sidecars(tmp_path)[0]
+    data = bytearray(path.read_bytes())
+    if tamper == "flip":
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        match = "does not match the record"
+    elif tamper == "truncate":
+        path.write_bytes(bytes(data[:-8]))
+        match = "cut short"
+    else:
+        path.unlink()
+        match = "cannot be read"
+    with pytest.raises(ValueError, match=match) as err:
+        amct.restore_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path), rec, ck)
+    assert str(path) in str(err.value) and "rec.txt" in str(err.value)
+
+
+def test_changed_masks_get_a_new_file_and_the_old_one_goes(tmp_path, sidecar_always):
+    model, x, rec = trained(tmp_path, update_freq=1, steps=1)
+    model._openamct.wait()
+    first = sidecars(tmp_path)
+    sgd_steps(model, x, steps=3, lr=0.5)  # big steps: recomputed masks change
+    model._openamct.wait()
+    second = sidecars(tmp_path)
+    assert len(first) == len(second) == 1 and first != second
+    assert second[0] in open(rec, encoding="utf-8").read()
+    masks = masks_in_record(read_record(rec), rec)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, CompressedLayer)}
+    assert all(torch.equal(masks[n], layers[n].sparsity.mask) for n in masks)
+
+
+def test_small_models_keep_upstream_inline_masks(tmp_path):
+    model, x, rec = trained(tmp_path)
+    model._openamct.wait()
+    assert "selective_mask" in open(rec, encoding="utf-8").read() and not sidecars(tmp_path)
+
+
+def test_a_mask_file_needs_the_records_path(tmp_path, sidecar_always):
+    model, x, rec = trained(tmp_path)
+    model._openamct.wait()
+    with pytest.raises(ValueError, match="record file's path"):
+        masks_in_record(read_record(rec))
