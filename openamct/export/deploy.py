@@ -6,9 +6,10 @@ Torch side: each quantized layer reads ``QDQAct(input quantizer)`` (uint8, zero 
 ``WeightQDQ(weight)``; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
 1. Q(W_float) -> int8 initializer (per channel, zero point 0); Conv/Gemm bias -> int32
    initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
-2. Output quantization, visiting layers (and Adds / average pools whose inputs are quantized) in
-   topological order. If the output reaches, through ops that commute with quantization (Relu,
-   Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze), only input quantizers sharing one
+2. Output quantization, visiting layers (and Adds / Muls / average pools whose inputs are
+   quantized) in topological order. If the output reaches, through ops that commute with
+   quantization (Relu, Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze, constant-zero
+   Pad), only input quantizers sharing one
    (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the
    way so ORT sees DQ -> op -> Q. Exact: those ops map grid values to grid values and Q is
    idempotent on its grid. A Relu/Clip right after the layer is stepped over when the quantizer
@@ -40,6 +41,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.export.export_layer import (
     QDQAct,
     WeightQDQ,
+    fold_activations,
     fold_layers,
     per_channel_view,
 )
@@ -74,9 +76,11 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
     an input quantizer, keyed by its weight initializer name ``<layer>.weight``."""
     def build(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
         pre = None if parts.input_quant is None else QDQAct(*parts.input_quant)
-        return {"pre": pre, "weight_fn": _weight_qdq(layer, w, parts), "gemm_2d": True}
+        post = None if parts.output_quant is None else QDQAct(*parts.output_quant)
+        return {"pre": pre, "weight_fn": _weight_qdq(layer, w, parts), "gemm_2d": True, "post": post}
 
     found = fold_layers(model, build, techniques)
+    fold_activations(model, QDQAct)
     return {f"{n}.weight": p.output_range for n, p in found.items()
             if p.output_range is not None and p.input_quant is not None}
 
@@ -154,6 +158,17 @@ def _dedupe(g: OnnxGraph) -> None:
                 seen[key] = n
 
 
+def _passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
+    """Ops that map grid values to grid values; a constant Pad with 0 too (0 is on every uint8
+    grid: it is the zero point), e.g. HF's TF-style "same" padding before a strided conv."""
+    if op.op_type in PASS_OPS:
+        return True
+    if op.op_type != "Pad" or g.attr(op, "mode", b"constant") not in (b"constant", "constant"):
+        return False
+    value = g.const(op.input[2]) if len(op.input) > 2 and op.input[2] else None
+    return value is None or (value.size == 1 and float(value.reshape(())) == 0.0)
+
+
 def _walk(g: OnnxGraph, y: str):
     """Follow single-consumer pass-through ops from ``y`` to a tensor read only by input
     quantizers with one qparams (and Adds). Returns (chain, final Q, adds) or None."""
@@ -167,7 +182,7 @@ def _walk(g: OnnxGraph, y: str):
             if all(u.op_type == "Add" for u in adds):
                 return chain, qs[0], adds
             return None
-        if len(users) != 1 or users[0].op_type not in PASS_OPS or len(users[0].output) != 1:
+        if len(users) != 1 or not _passes(g, users[0]) or len(users[0].output) != 1:
             return None  # (a MaxPool with an indices output is not a pass-through)
         chain.append(users[0])
         t = users[0].output[0]
@@ -269,9 +284,10 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(key) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
-        elif n.op_type in ("Add", "GlobalAveragePool", "AveragePool") and all(
+        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
-            # QLinearAdd / QLinearGlobalAveragePool / QLinearAveragePool once the output is quantized
+            # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
+            # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation)
             placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
     g.finish()
     logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", len(int8_names), placed)
