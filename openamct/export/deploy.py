@@ -249,6 +249,48 @@ def _place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
     return True
 
 
+def _fuse_pads(g: OnnxGraph) -> int:
+    """Pad -> Q -> DQ -> Conv(s), a constant-zero Pad on the spatial axes only: the Q moves
+    before the Pad and the Conv takes the padding itself (QLinearConv pads with the zero point,
+    i.e. with 0). Exact, since zero padding commutes with Q; quant_pre_process does the same
+    fusion for quantize_static, and ORT fuses neither a Pad between Q/DQ nor one into QLinearConv."""
+    fused = 0
+    for pad in [n for n in g.nodes if n.op_type == "Pad"]:
+        pads = g.const(pad.input[1]) if len(pad.input) > 1 else None
+        users = g.users(pad.output[0])
+        if pads is None or not _passes(g, pad) or len(users) != 1 or users[0].op_type != "QuantizeLinear" \
+                or g.is_output(pad.output[0]) or len(pad.input) > 3 and pad.input[3]:
+            continue
+        q = users[0]
+        rank = pads.size // 2
+        if rank < 3 or np.any(pads < 0) or np.any(pads[[0, 1, rank, rank + 1]] != 0):
+            continue
+        dqs = g.users(q.output[0])
+        convs = [c for dq in dqs for c in g.users(dq.output[0])]
+        if g.is_output(q.output[0]) or not dqs or any(dq.op_type != "DequantizeLinear" or g.is_output(dq.output[0])
+                                                      for dq in dqs) or \
+                any(c.op_type != "Conv" or c.input[0] not in [d.output[0] for d in dqs] or
+                    g.attr(c, "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID") for c in convs):
+            continue
+        src = pad.input[0]
+        before = g.producer(src)
+        if before is not None and before.op_type == "DequantizeLinear" and _qparams(g, before) == _qparams(g, q):
+            new_in = src  # already DQ(Q(.)) with these qparams
+        else:
+            q2 = g.make("QuantizeLinear", [src, q.input[1], q.input[2]])
+            new_in = g.make("DequantizeLinear", [q2.output[0], q.input[1], q.input[2]]).output[0]
+        begin, end = pads[2:rank], pads[rank + 2:]
+        for c in convs:
+            old = list(g.attr(c, "pads", [0] * (2 * (rank - 2))))
+            new = [int(a + b) for a, b in zip(old, [*begin, *end])]
+            for a in [a for a in c.attribute if a.name in ("pads", "auto_pad")]:  # VALID: pads 0
+                c.attribute.remove(a)
+            c.attribute.append(onnx.helper.make_attribute("pads", new))
+            g.set_input(c, 0, new_in)
+        fused += 1
+    return fused
+
+
 def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     """For an Add of two quantized tensors feeding (through a Relu) an average pool: the range
     its inputs' ranges bound (never clips), so ORT runs QLinearAdd + QLinearGlobalAveragePool."""
@@ -265,10 +307,18 @@ def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     return lo, hi
 
 
+def _int8_pool(g: OnnxGraph, n) -> bool:
+    """ORT's QLinearAveragePool averages a ceil_mode window that hangs over the input wrongly
+    (HF EfficientNet's pooler, kernel 1280 on a 7x7 map: logits 12x too small): such pools stay
+    float."""
+    return n.op_type != "AveragePool" or not g.attr(n, "ceil_mode", 0)
+
+
 def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, float]]) -> onnx.ModelProto:
     """The ONNX post-pass (module docstring); edits and returns ``model``."""
     g = OnnxGraph(model)
     g.constants_to_initializers()
+    g.fold_constants()
     int8_names = _quantize_weights(g)
     _bias_to_int32(g)
     _dedupe(g)
@@ -284,11 +334,13 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(key) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
-        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and all(
+        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
             # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation)
             placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
+    pads = _fuse_pads(g)
     g.finish()
+    logger.debug("deploy post-pass: %d zero pads fused into convs", pads)
     logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", len(int8_names), placed)
     return model

@@ -11,7 +11,8 @@ ULQ input clip, the fake-quant file reproduces what the deploy file computes.
 Settings follow the producing layer: it must be planned for quantization; the clips are
 initialised from the first ``batch_num`` batches like its own. The op's output gets a quantizer
 only when no quantized layer reads it (those quantize it themselves; two quantizers in a row
-would round twice), looking through constant-zero padding and Dropout/Identity.
+would round twice) and an op ORT runs in int8 does, looking through constant-zero padding and
+Dropout/Identity/Flatten/Reshape.
 
 A quantized conv whose output (after its folded BN) only such ops read (a residual Add, the
 average pool before a classifier, concat) gets an output quantizer (``LayerParts.out_quant``)
@@ -98,7 +99,16 @@ def _passes(n) -> bool:
     return n.kind == "function" and (n.op in PASS_FUNCTIONS or _zero_pad(n))
 
 
-def _readers(graph: Graph, t: TensorInfo, planned: set[str], wrapped: set[str] = frozenset()) -> dict[str, int]:
+def _int8_reader(model: nn.Module, n) -> bool:
+    if n.kind == "module" and n.op in INT8_MODULES:
+        # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input (HF
+        # EfficientNet's pooler: logits 12x too small); such a pool must read float
+        return not getattr(model.get_submodule(n.name), "ceil_mode", False)
+    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.kwargs.get("ceil_mode", False)
+
+
+def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
+             wrapped: set[str] = frozenset()) -> dict[str, int]:
     """Who reads ``t``, through ops that keep a quantized tensor on its grid: quantized layers
     and wrapped activations ("layer", they quantize it themselves), ops ORT runs in int8
     ("int8"), anything else or a graph output ("other")."""
@@ -107,9 +117,9 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], wrapped: set[str] =
         if n.kind == "module" and (n.name in planned or n.name in wrapped) and n.inputs and n.inputs[0] is t:
             count["layer"] += 1
         elif _passes(n):
-            for k, v in _readers(graph, n.outputs[0], planned, wrapped).items():
+            for k, v in _readers(graph, n.outputs[0], planned, model, wrapped).items():
                 count[k] += v
-        elif (n.kind == "module" and n.op in INT8_MODULES) or (n.kind == "function" and n.op in INT8_FUNCTIONS):
+        elif _int8_reader(model, n):
             # an Add/Mul with a constant runs in float in ORT: counts as "other"
             binary = n.op in ("add", "mul")
             count["int8" if not binary or len(n.inputs) == 2 else "other"] += 1
@@ -155,10 +165,10 @@ class ActivationQuant(Technique):
             producer = _producer_layer(ctx.graph, node.inputs[0], planned)
             if producer is None:
                 continue
-            r = _readers(ctx.graph, node.outputs[0], planned)
+            r = _readers(ctx.graph, node.outputs[0], planned, ctx.model)
             if r["layer"] and (r["int8"] or r["other"]):
                 logger.debug("%s: read by quantized layers and other ops; its output stays float there", node.name)
-            ops[node.name] = ActDecision(kind, producer, quantize_output=not r["layer"])
+            ops[node.name] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0)
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
@@ -169,7 +179,7 @@ class ActivationQuant(Technique):
             t = _layer_output(ctx.graph, lp.name)
             if t is None:
                 continue
-            r = _readers(ctx.graph, t, planned, set(ops))
+            r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
             if r["int8"] and not r["layer"] and not r["other"]:
                 outputs.append(lp.name)
         return ActState(ops, outputs=outputs)
