@@ -104,7 +104,9 @@ def _int8_reader(model: nn.Module, n) -> bool:
         # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input (HF
         # EfficientNet's pooler: logits 12x too small); such a pool must read float
         return not getattr(model.get_submodule(n.name), "ceil_mode", False)
-    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.kwargs.get("ceil_mode", False)
+    # an in-place op (HF ResNet's ``hidden += residual``) would overwrite the quantizer's output,
+    # which its backward needs
+    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.inplace and not n.kwargs.get("ceil_mode", False)
 
 
 def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
@@ -112,8 +114,9 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     """Who reads ``t``, through ops that keep a quantized tensor on its grid: quantized layers
     and wrapped activations ("layer", they quantize it themselves), ops ORT runs in int8
     ("int8"), anything else or a graph output ("other")."""
-    count = {"layer": 0, "int8": 0, "other": int(graph.is_output(t))}
+    count = {"layer": 0, "int8": 0, "other": int(graph.is_output(t)), "inplace": 0}
     for n in graph.users(t):
+        count["inplace"] += int(n.inplace)
         if n.kind == "module" and (n.name in planned or n.name in wrapped) and n.inputs and n.inputs[0] is t:
             count["layer"] += 1
         elif _passes(n):
@@ -168,7 +171,7 @@ class ActivationQuant(Technique):
             r = _readers(ctx.graph, node.outputs[0], planned, ctx.model)
             if r["layer"] and (r["int8"] or r["other"]):
                 logger.debug("%s: read by quantized layers and other ops; its output stays float there", node.name)
-            ops[node.name] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0)
+            ops[node.name] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0 and not r["inplace"])
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
@@ -180,7 +183,7 @@ class ActivationQuant(Technique):
             if t is None:
                 continue
             r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
-            if r["int8"] and not r["layer"] and not r["other"]:
+            if r["int8"] and not r["layer"] and not r["other"] and not r["inplace"]:
                 outputs.append(lp.name)
         return ActState(ops, outputs=outputs)
 
