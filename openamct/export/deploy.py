@@ -17,6 +17,8 @@ Torch side: each quantized layer reads ``QDQAct(input quantizer)`` (uint8, zero 
    branches) read DQ(Q(t)) instead, so they become QLinearAdd (the only change of numerics;
    measured on ResNet-18 b8 both ways: rewired 214 vs 223 ms on a loaded machine, and cosine to
    the fake-quant model 0.999864 vs 0.999832, since without it more outputs fall back to ranges).
+   A constant-zero Pad left between Q and DQ -> Conv is then moved into the conv's padding
+   (``_fuse_pads``), after folding the exporter's constant shape ops that compute its pads.
 3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)
    and an Add feeding an average pool the range its inputs bound (never clips). Gemm outputs stay
    float: QGemm outputs float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
