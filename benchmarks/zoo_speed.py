@@ -12,7 +12,7 @@ fake-quant file on one input, and the float ops left in ORT's optimised deploy g
 Measured here (2 cores shared with other jobs, so single figures are noisy; ratios are from
 interleaved runs in one process), 224x224 batch 1, openamct/quantize_static latency:
   before issue 14: EfficientNet-B0 1.209, RegNet 1.019, MobileNetV2 1.849, ResNet-50 0.951
-  after:           EfficientNet-B0 0.836, RegNet 0.980, MobileNetV2 1.037, ResNet-50 1.001
+  after:           EfficientNet-B0 0.836, RegNet 0.980, MobileNetV2 1.035, ResNet-50 1.000
 EfficientNet-B0 deploy vs fake-quant cosine 0.989 -> 0.999 (random weights); its ORT graph went
 from 65 float Sigmoid + 65 float Mul + 16 float GlobalAveragePool to one float Mul and the pooler.
 MobileNetV2 still runs 9 residual Adds in float: the block output is read by the next expand
