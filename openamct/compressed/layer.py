@@ -58,6 +58,7 @@ class CompressedLayer(WeightOp):
         self.act_quant: nn.Module | None = None
         self.wts_quant: nn.Module | None = None
         self.out_observer: nn.Module | None = None
+        self.out_quant: nn.Module | None = None
         self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
 
     # -- construction --------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class CompressedLayer(WeightOp):
     @classmethod
     def from_parts(cls, module: nn.Module, parts: LayerParts) -> CompressedLayer:
         kind, spatial = op_kind(module)
-        for name in ("act_quant", "wts_quant", "sparsity"):
+        for name in ("act_quant", "wts_quant", "sparsity", "out_quant"):
             _check_child(name, getattr(parts, name))
         for name, mask in parts.masks.items():
             _check_child(f"masks[{name!r}]", mask)
@@ -108,6 +109,7 @@ class CompressedLayer(WeightOp):
                 wts_quant.init_from(layer._folded_weight(masked=False).detach())
         if parts.observe_output:
             layer.out_observer = RangeObserver()
+        layer.out_quant = parts.out_quant
         bn_mode = None if bn is None else bn.training
         layer.train(module.training)
         if bn is not None:  # a BN the user froze (eval mode) stays frozen inside the layer
@@ -187,6 +189,8 @@ class CompressedLayer(WeightOp):
             y = self._op_tap(x, *self.effective_weight_bias(), tap)
         if self.out_observer is not None:
             y = self.out_observer(y)
+        if self.out_quant is not None:
+            y = self.out_quant(y)
         return y
 
     def _op_tap(self, x: Tensor, w: Tensor, b: Tensor | None, tap) -> Tensor:

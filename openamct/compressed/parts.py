@@ -21,3 +21,4 @@ class LayerParts:
     act_quant: nn.Module | None = None  # input activation quantizer (may be shared)
     wts_quant: nn.Module | None = None
     observe_output: bool = False  # keep an output range observer (deploy re-quantisation)
+    out_quant: nn.Module | None = None  # output quantizer (activation_quant: the output feeds int8 ops)

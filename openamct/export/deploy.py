@@ -6,9 +6,10 @@ Torch side: each quantized layer reads ``QDQAct(input quantizer)`` (uint8, zero 
 ``WeightQDQ(weight)``; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
 1. Q(W_float) -> int8 initializer (per channel, zero point 0); Conv/Gemm bias -> int32
    initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
-2. Output quantization, visiting layers (and Adds / average pools whose inputs are quantized) in
-   topological order. If the output reaches, through ops that commute with quantization (Relu,
-   Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze), only input quantizers sharing one
+2. Output quantization, visiting layers (and Adds / Muls / average pools whose inputs are
+   quantized) in topological order. If the output reaches, through ops that commute with
+   quantization (Relu, Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze, constant-zero
+   Pad), only input quantizers sharing one
    (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the
    way so ORT sees DQ -> op -> Q. Exact: those ops map grid values to grid values and Q is
    idempotent on its grid. A Relu/Clip right after the layer is stepped over when the quantizer
@@ -16,6 +17,8 @@ Torch side: each quantized layer reads ``QDQAct(input quantizer)`` (uint8, zero 
    branches) read DQ(Q(t)) instead, so they become QLinearAdd (the only change of numerics;
    measured on ResNet-18 b8 both ways: rewired 214 vs 223 ms on a loaded machine, and cosine to
    the fake-quant model 0.999864 vs 0.999832, since without it more outputs fall back to ranges).
+   A constant-zero Pad left between Q and DQ -> Conv is then moved into the conv's padding
+   (``_fuse_pads``), after folding the exporter's constant shape ops that compute its pads.
 3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)
    and an Add feeding an average pool the range its inputs bound (never clips). Gemm outputs stay
    float: QGemm outputs float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
@@ -40,6 +43,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.export.export_layer import (
     QDQAct,
     WeightQDQ,
+    fold_activations,
     fold_layers,
     per_channel_view,
 )
@@ -74,9 +78,11 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
     an input quantizer, keyed by its weight initializer name ``<layer>.weight``."""
     def build(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
         pre = None if parts.input_quant is None else QDQAct(*parts.input_quant)
-        return {"pre": pre, "weight_fn": _weight_qdq(layer, w, parts), "gemm_2d": True}
+        post = None if parts.output_quant is None else QDQAct(*parts.output_quant)
+        return {"pre": pre, "weight_fn": _weight_qdq(layer, w, parts), "gemm_2d": True, "post": post}
 
     found = fold_layers(model, build, techniques)
+    fold_activations(model, QDQAct)
     return {f"{n}.weight": p.output_range for n, p in found.items()
             if p.output_range is not None and p.input_quant is not None}
 
@@ -154,6 +160,17 @@ def _dedupe(g: OnnxGraph) -> None:
                 seen[key] = n
 
 
+def _passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
+    """Ops that map grid values to grid values; a constant Pad with 0 too (0 is on every uint8
+    grid: it is the zero point), e.g. HF's TF-style "same" padding before a strided conv."""
+    if op.op_type in PASS_OPS:
+        return True
+    if op.op_type != "Pad" or g.attr(op, "mode", b"constant") not in (b"constant", "constant"):
+        return False
+    value = g.const(op.input[2]) if len(op.input) > 2 and op.input[2] else None
+    return value is None or (value.size == 1 and float(value.reshape(())) == 0.0)
+
+
 def _walk(g: OnnxGraph, y: str):
     """Follow single-consumer pass-through ops from ``y`` to a tensor read only by input
     quantizers with one qparams (and Adds). Returns (chain, final Q, adds) or None."""
@@ -167,7 +184,7 @@ def _walk(g: OnnxGraph, y: str):
             if all(u.op_type == "Add" for u in adds):
                 return chain, qs[0], adds
             return None
-        if len(users) != 1 or users[0].op_type not in PASS_OPS or len(users[0].output) != 1:
+        if len(users) != 1 or not _passes(g, users[0]) or len(users[0].output) != 1:
             return None  # (a MaxPool with an indices output is not a pass-through)
         chain.append(users[0])
         t = users[0].output[0]
@@ -234,6 +251,48 @@ def _place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
     return True
 
 
+def _fuse_pads(g: OnnxGraph) -> int:
+    """Pad -> Q -> DQ -> Conv(s), a constant-zero Pad on the spatial axes only: the Q moves
+    before the Pad and the Conv takes the padding itself (QLinearConv pads with the zero point,
+    i.e. with 0). Exact, since zero padding commutes with Q; quant_pre_process does the same
+    fusion for quantize_static, and ORT fuses neither a Pad between Q/DQ nor one into QLinearConv."""
+    fused = 0
+    for pad in [n for n in g.nodes if n.op_type == "Pad"]:
+        pads = g.const(pad.input[1]) if len(pad.input) > 1 else None
+        users = g.users(pad.output[0])
+        if pads is None or not _passes(g, pad) or len(users) != 1 or users[0].op_type != "QuantizeLinear" \
+                or g.is_output(pad.output[0]) or len(pad.input) > 3 and pad.input[3]:
+            continue
+        q = users[0]
+        rank = pads.size // 2
+        if rank < 3 or np.any(pads < 0) or np.any(pads[[0, 1, rank, rank + 1]] != 0):
+            continue
+        dqs = g.users(q.output[0])
+        convs = [c for dq in dqs for c in g.users(dq.output[0])]
+        if g.is_output(q.output[0]) or not dqs or any(dq.op_type != "DequantizeLinear" or g.is_output(dq.output[0])
+                                                      for dq in dqs) or \
+                any(c.op_type != "Conv" or c.input[0] not in [d.output[0] for d in dqs] or
+                    g.attr(c, "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID") for c in convs):
+            continue
+        src = pad.input[0]
+        before = g.producer(src)
+        if before is not None and before.op_type == "DequantizeLinear" and _qparams(g, before) == _qparams(g, q):
+            new_in = src  # already DQ(Q(.)) with these qparams
+        else:
+            q2 = g.make("QuantizeLinear", [src, q.input[1], q.input[2]])
+            new_in = g.make("DequantizeLinear", [q2.output[0], q.input[1], q.input[2]]).output[0]
+        begin, end = pads[2:rank], pads[rank + 2:]
+        for c in convs:
+            old = list(g.attr(c, "pads", [0] * (2 * (rank - 2))))
+            new = [int(a + b) for a, b in zip(old, [*begin, *end])]
+            for a in [a for a in c.attribute if a.name in ("pads", "auto_pad")]:  # VALID: pads 0
+                c.attribute.remove(a)
+            c.attribute.append(onnx.helper.make_attribute("pads", new))
+            g.set_input(c, 0, new_in)
+        fused += 1
+    return fused
+
+
 def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     """For an Add of two quantized tensors feeding (through a Relu) an average pool: the range
     its inputs' ranges bound (never clips), so ORT runs QLinearAdd + QLinearGlobalAveragePool."""
@@ -250,10 +309,18 @@ def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     return lo, hi
 
 
+def _int8_pool(g: OnnxGraph, n) -> bool:
+    """ORT's QLinearAveragePool averages a ceil_mode window that hangs over the input wrongly
+    (HF EfficientNet's pooler, kernel 1280 on a 7x7 map: logits 12x too small): such pools stay
+    float."""
+    return n.op_type != "AveragePool" or not g.attr(n, "ceil_mode", 0)
+
+
 def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, float]]) -> onnx.ModelProto:
     """The ONNX post-pass (module docstring); edits and returns ``model``."""
     g = OnnxGraph(model)
     g.constants_to_initializers()
+    g.fold_constants()
     int8_names = _quantize_weights(g)
     _bias_to_int32(g)
     _dedupe(g)
@@ -269,10 +336,13 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(key) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
-        elif n.op_type in ("Add", "GlobalAveragePool", "AveragePool") and all(
+        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
-            # QLinearAdd / QLinearGlobalAveragePool / QLinearAveragePool once the output is quantized
+            # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
+            # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation)
             placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
+    pads = _fuse_pads(g)
     g.finish()
+    logger.debug("deploy post-pass: %d zero pads fused into convs", pads)
     logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", len(int8_names), placed)
     return model

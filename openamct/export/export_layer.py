@@ -21,13 +21,14 @@ from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
 from openamct.module_tree import set_module
+from openamct.quant.activation import QuantizedActivation
 from openamct.quant.functions import QMAX, QMIN, to_channel_major
 from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExportLayer", "QDQAct", "WeightQDQ", "working_copy", "compressed_layers",
-           "export_parts", "fold_layers"]
+           "export_parts", "fold_layers", "fold_activations"]
 
 
 def working_copy(model: nn.Module) -> nn.Module:
@@ -58,14 +59,15 @@ class ExportLayer(WeightOp):
     """One folded Conv/ConvTranspose/Linear: ``op(pre(x), weight_fn(weight), bias)``.
 
     ``pre`` is the input activation module (or None); ``weight_fn`` maps the stored float weight
-    to what the op reads (identity, or a Q/DQ-exporting fake quant in the deploy model).
+    to what the op reads (identity, or a Q/DQ-exporting fake quant in the deploy model); ``post``
+    the output quantizer's export form (or None).
     """
 
     _openamct_leaf = True  # captured as one node by openamct.graph.capture
 
     def __init__(self, layer: CompressedLayer, weight: Tensor, bias: Tensor | None,
                  pre: nn.Module | None = None, weight_fn: Callable[[Tensor], Tensor] | None = None,
-                 gemm_2d: bool = False) -> None:
+                 gemm_2d: bool = False, post: nn.Module | None = None) -> None:
         nn.Module.__init__(self)  # not the layer class's: see compressed.ops.as_layer_class
         for k, v in public_attrs(layer).items():  # e.g. kernel_size for HF's TF-style padding
             setattr(self, k, v)
@@ -74,7 +76,7 @@ class ExportLayer(WeightOp):
         self.copy_op_attrs(layer)
         self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.pre, self.weight_fn = pre, weight_fn
+        self.pre, self.weight_fn, self.post = pre, weight_fn, post
         self.gemm_2d = gemm_2d and self.kind == "linear"
 
     def forward(self, x: Tensor) -> Tensor:
@@ -90,7 +92,8 @@ class ExportLayer(WeightOp):
         if self.pre is not None:
             x = self.pre(x)
         w = self.weight if self.weight_fn is None else self.weight_fn(self.weight)
-        return self._op(x, w, self.bias)
+        y = self._op(x, w, self.bias)
+        return y if self.post is None else self.post(y)
 
 
 class QDQAct(nn.Module):
@@ -156,3 +159,12 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
                                                          **build(name, layer, w, parts))
         set_module(model, name, new)
     return out
+
+
+def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) -> int:
+    """Give every QuantizedActivation of ``model`` (a working copy) the export form of its
+    quantizers, ``make(scale, offset)`` (FakeQuantAct or QDQAct); returns how many."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedActivation)]
+    for name, m in found:
+        set_module(model, name, m.with_quantizers(make).eval())
+    return len(found)

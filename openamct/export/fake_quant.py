@@ -26,7 +26,7 @@ import numpy as np
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
-from openamct.export.export_layer import fold_layers
+from openamct.export.export_layer import fold_activations, fold_layers
 from openamct.quant.functions import QMAX, QMIN
 from openamct.techniques.base import ExportParts, Technique
 
@@ -54,7 +54,8 @@ class FakeQuantAct(nn.Module):
 
 
 def _fake_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
-    return {"pre": None if parts.input_quant is None else FakeQuantAct(*parts.input_quant)}
+    return {"pre": None if parts.input_quant is None else FakeQuantAct(*parts.input_quant),
+            "post": None if parts.output_quant is None else FakeQuantAct(*parts.output_quant)}
 
 
 def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
@@ -64,6 +65,7 @@ def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportPart
 def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique]) -> nn.Module:
     """Turn a working copy of a compressed model into its fake-quant export model (in place)."""
     fold_layers(model, _fake_layer, techniques)
+    fold_activations(model, FakeQuantAct)
     return model
 
 

@@ -46,7 +46,9 @@ class OnnxGraph:
         return None if n is None or id(n) in self._dead else n
 
     def users(self, t: str) -> list:
-        return [n for n in self._users.get(t, []) if id(n) not in self._dead]
+        # unique: set_input may list a node twice under one name (it never un-lists the old one)
+        live = {id(n): n for n in self._users.get(t, []) if id(n) not in self._dead}
+        return list(live.values())
 
     def is_output(self, t: str) -> bool:
         return t in self.outputs
@@ -114,6 +116,31 @@ class OnnxGraph:
                 self.replace_uses(n.output[0], n.input[0])
                 self.remove(n)
 
+    # Shape arithmetic the TorchScript exporter leaves on constants (F.pad's pads: Slice ->
+    # Transpose -> Reshape -> Cast). ORT drops the Q/DQ around a Pad, so it runs in uint8, only
+    # when its pads are an initializer.
+    FOLDABLE = ("Cast", "Reshape", "Transpose", "Slice", "Concat", "Unsqueeze", "Squeeze", "Gather",
+                "ConstantOfShape")
+
+    def fold_constants(self) -> int:
+        """Evaluate FOLDABLE nodes whose inputs are all initializers into initializers."""
+        from onnx.reference import ReferenceEvaluator
+
+        folded = 0
+        for n in self.topological():
+            if n.op_type not in self.FOLDABLE or any(self.is_output(o) for o in n.output):
+                continue
+            args = [self.const(i) if i else None for i in n.input]
+            if any(a is None for a, i in zip(args, n.input) if i):
+                continue
+            feeds = {i: a for i, a in zip(n.input, args) if i}
+            outs = ReferenceEvaluator(n).run(None, feeds)
+            for name, value in zip(n.output, outs):
+                self.inits[name] = numpy_helper.from_array(np.asarray(value), name)
+            self.remove(n)
+            folded += 1
+        return folded
+
     def topological(self) -> list:
         live = [n for n in self.nodes if id(n) not in self._dead]
         pending = {id(n): sum(1 for i in n.input if self.producer(i) is not None) for n in live}
@@ -124,9 +151,12 @@ class OnnxGraph:
             order.append(n)
             for o in n.output:
                 for u in self.users(o):
-                    pending[id(u)] -= sum(1 for i in u.input if i == o)
-                    if pending[id(u)] == 0:
-                        ready.append(u)
+                    reads = sum(1 for i in u.input if i == o)
+                    # (a node rewired away from ``o`` by set_input is still listed as its user)
+                    if reads and id(u) in pending:
+                        pending[id(u)] -= reads
+                        if pending[id(u)] == 0:
+                            ready.append(u)
         return order
 
     def finish(self) -> None:

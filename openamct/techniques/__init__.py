@@ -5,6 +5,7 @@ remains, and the quantizers go in last. A new technique is one module in this pa
 ``Technique`` subclass (see ``base``) and one line here.
 """
 
+from openamct.techniques.activation_quant import ActivationQuant
 from openamct.techniques.base import Context, ExportParts, Technique
 from openamct.techniques.filter_prune import FilterPruning
 from openamct.techniques.quantization import Quantization
@@ -14,6 +15,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     FilterPruning(),
     Sparsity24(),
     Quantization(),
+    ActivationQuant(),  # after Quantization: it follows the layers that one quantizes
 )
 
 __all__ = ["TECHNIQUES", "Context", "ExportParts", "Technique"]

@@ -56,6 +56,7 @@ class ExportParts:
     weight_scales: Tensor | None = None  # INT8 weight scales, Cout order (or 1 per tensor)
     weight_per_channel: bool = False
     output_range: tuple[float, float] | None = None  # trained (min, max) of the output
+    output_quant: tuple[float, int] | None = None  # (scale, int8 offset) of an output quantizer
 
     @property
     def quantized(self) -> bool:

@@ -41,7 +41,9 @@ def test_create_and_save_write_the_same_bytes_under_any_hash_seed(runs):
     for name in CREATED:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     text = (a / "record.txt").read_text()
-    assert text.count("selective_prune") == 5 and "prune_record" in text and "scale_d" in text  # all three techniques
+    act = text.count('s: "activation_quant"')  # the residual add's and the pool's conv outputs
+    assert text.count("selective_prune") - act == 5 and act == 2  # 2:4 masks; activation_quant
+    assert "prune_record" in text and "scale_d" in text  # all four techniques
 
 
 def test_restored_model_exports_what_the_trained_model_exported(runs):

@@ -1,0 +1,173 @@
+"""Deploy speed on real architectures (issue 14): FP32 vs ``onnxruntime.quantization.
+quantize_static`` vs openamct's deploy model, for Hugging Face CNNs built from their default
+configs (random weights re-initialised fan-in, as the zoo tests do: tests/zoo/families.py).
+
+quantize_static: QDQ, uint8 activations, per-channel int8 weights, MinMax-calibrated on the same
+8 batches after ``quant_pre_process`` (benchmarks/deploy_speed.quantize_static). openamct: an INT8
+QAT config through the public API, clips initialised on those 8 batches in training mode, then
+``save_compressed_retrain_model``. Timing: ``openamct.export.ort_session.latency_ms`` (2 intra-op
+threads, interleaved rounds, median). The script also prints the deploy file's cosine to the
+fake-quant file on one input, and the float ops left in ORT's optimised deploy graph.
+
+Measured here (2 cores shared with other jobs, so single figures are noisy; ratios are from
+interleaved runs in one process), 224x224 batch 1, openamct/quantize_static latency:
+  before issue 14: EfficientNet-B0 1.209, RegNet 1.019, MobileNetV2 1.849, ResNet-50 0.951
+  after:           EfficientNet-B0 0.836, RegNet 0.980, MobileNetV2 1.035, ResNet-50 1.000
+EfficientNet-B0 deploy vs fake-quant cosine 0.989 -> 0.999 (random weights); its ORT graph went
+from 65 float Sigmoid + 65 float Mul + 16 float GlobalAveragePool to one float Mul and the pooler.
+MobileNetV2 still runs 9 residual Adds in float: the block output is read by the next expand
+conv (through its TF pad) and by the next residual Add, a case the deploy writer does not place.
+
+``--small``: reduced width and depth at 112x112, for a shared 2-core machine where the default
+sizes at 224x224 take minutes per model. Say which one a figure comes from.
+
+Usage: PYTHONPATH=. python benchmarks/zoo_speed.py [--only efficientnet,regnet] [--small]
+       [--runs 20] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import sys
+import tempfile
+import warnings
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import openamct as amct  # noqa: E402
+from benchmarks.deploy_speed import QUANT_CFG, export_fp32, quantize_static  # noqa: E402
+from openamct.export.ort_session import latency_ms, session  # noqa: E402
+from tests.zoo.families import reinitialise  # noqa: E402
+
+CALIB = 8
+# (model class, config class, default-config overrides, --small overrides)
+MODELS = {
+    "resnet50": ("ResNetForImageClassification", "ResNetConfig", {},
+                 dict(hidden_sizes=[64, 128, 256, 512], depths=[1, 1, 1, 1], embedding_size=32)),
+    "mobilenetv2": ("MobileNetV2ForImageClassification", "MobileNetV2Config", {},
+                    dict(depth_multiplier=0.5, image_size=112)),
+    # HF's default EfficientNetConfig is B7 (600x600): B0 spelled out
+    "efficientnet": ("EfficientNetForImageClassification", "EfficientNetConfig",
+                     dict(width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280),
+                     dict(width_coefficient=0.5, depth_coefficient=0.5, image_size=112, hidden_dim=640)),
+    "regnet": ("RegNetForImageClassification", "RegNetConfig", {},
+               dict(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1], groups_width=16)),
+    "convnext": ("ConvNextForImageClassification", "ConvNextConfig", {},
+                 dict(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1])),
+    "mobilevit": ("MobileViTForImageClassification", "MobileViTConfig", {},
+                  dict(image_size=112, hidden_sizes=[48, 64, 80], neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 160])),
+}
+
+
+class Logits(nn.Module):
+    """One tensor in, the logits out: the same signature for all three files."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+
+def build(name: str, small: bool) -> tuple[nn.Module, tuple[int, ...]]:
+    import transformers as T
+
+    cls, cfg_cls, cfg, reduced = MODELS[name]
+    config = getattr(T, cfg_cls)(**(reduced if small else cfg))
+    side = 112 if small else 224
+    torch.manual_seed(0)
+    model = getattr(T, cls)(config)
+    if hasattr(model.config, "_attn_implementation"):
+        model.config._attn_implementation = "eager"
+    shape = (1, 3, side, side)
+    reinitialise(model, {"pixel_values": torch.randn(*shape)})
+    return Logits(model).eval(), shape
+
+
+def openamct_files(model: nn.Module, calib: list[torch.Tensor], folder: str, tag: str) -> tuple[str, str]:
+    cfg, rec = os.path.join(folder, f"{tag}.cfg"), os.path.join(folder, f"{tag}_record.txt")
+    with open(cfg, "w") as f:
+        f.write(QUANT_CFG)
+    c = amct.create_compressed_retrain_model(model, calib[0], cfg, rec)
+    c.train()
+    with torch.no_grad():
+        for xb in calib:
+            c(xb)
+    c.eval()
+    prefix = os.path.join(folder, tag)
+    amct.save_compressed_retrain_model(c, rec, prefix, calib[0], input_names=["x"])
+    return prefix + "_deploy_model.onnx", prefix + "_fake_quant_model.onnx"
+
+
+def float_ops(path: str) -> str:
+    """The float ops ORT's optimised graph still runs (quantized kernels and Q/DQ left out)."""
+    out = path + ".opt.onnx"
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = out
+    so.log_severity_level = 3  # the "hardware specific optimizations" warning: we only count ops
+    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    ops = collections.Counter(n.op_type for n in onnx.load(out).graph.node)
+    skip = ("QLinear", "QGemm", "DynamicQuantize")
+    return ", ".join(f"{k} {v}" for k, v in ops.most_common() if not k.startswith(skip))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+def row(name: str, small: bool, runs: int, folder: str) -> None:
+    model, shape = build(name, small)
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randn(shape, generator=g) for _ in range(CALIB)]
+    fp32 = os.path.join(folder, f"{name}_fp32.onnx")
+    export_fp32(model, calib[0], fp32)
+    paths = {"fp32": fp32, "quantize_static": quantize_static(fp32, os.path.join(folder, f"{name}_qs.onnx"), calib)}
+    paths["openamct"], fake = openamct_files(model, calib, folder, name)
+    x = torch.randn(shape, generator=g).numpy()
+    sessions = {k: session(p) for k, p in paths.items()}
+    t = latency_ms(sessions, x, runs=runs, min_s=2.0)
+    base = t["fp32"]
+    line = f"{name:12s} {'x'.join(map(str, shape[2:]))} " + " | ".join(
+        f"{k} {v:7.2f} ms ({base / v:4.2f}x)" for k, v in t.items())
+    print(line + f" | openamct/quantize_static {t['openamct'] / t['quantize_static']:.3f}", flush=True)
+    y_fake = session(fake).run(None, {"x": x})[0]
+    y_dep = sessions["openamct"].run(None, {"x": x})[0]
+    print(f"{'':12s} deploy vs fake-quant cosine {cosine(y_dep, y_fake):.5f}", flush=True)
+    print(f"{'':12s} float ops in ORT's graph: openamct: {float_ops(paths['openamct'])}", flush=True)
+    print(f"{'':12s}                        quantize_static: {float_ops(paths['quantize_static'])}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default=",".join(MODELS))
+    p.add_argument("--small", action="store_true", help="reduced width/depth at 112x112 (shared machines)")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--keep", default=None, help="folder to keep the ONNX files in")
+    args = p.parse_args()
+    unknown = set(args.only.split(",")) - set(MODELS)
+    if unknown:
+        p.error(f"--only: unknown model(s) {sorted(unknown)}; choose from {sorted(MODELS)}")
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.keep or tmp
+        os.makedirs(folder, exist_ok=True)
+        for name in args.only.split(","):
+            row(name, args.small, args.runs, folder)
+
+
+if __name__ == "__main__":
+    main()

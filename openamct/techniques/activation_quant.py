@@ -1,0 +1,241 @@
+"""INT8 quantizers on the tensors between layers (issue 14): a Sigmoid or SiLU module right
+after a quantized layer (through its folded BatchNorm) becomes a ``QuantizedActivation``.
+
+Why: ONNX Runtime has integer kernels for Sigmoid and Mul (QLinearSigmoid, QLinearMul) but runs
+them only when each is DQ -> op -> Q. Left float, the layer before them also lacks the output
+quantizer QLinearConv needs, and the deploy writer fell back to an output-observer range the
+fake-quant model does not have (EfficientNet: 65 float Sigmoid + 65 float Mul; deploy drifted from
+fake-quant). With these quantizers in the training model, trained and initialised like every
+ULQ input clip, the fake-quant file reproduces what the deploy file computes.
+
+Settings follow the producing layer: it must be planned for quantization; the clips are
+initialised from the first ``batch_num`` batches like its own. The op's output gets a quantizer
+only when no quantized layer reads it (those quantize it themselves; two quantizers in a row
+would round twice) and an op ORT runs in int8 does, looking through constant-zero padding and
+Dropout/Identity/Flatten/Reshape.
+
+A quantized conv whose output (after its folded BN) only such ops read (a residual Add, the
+average pool before a classifier, concat) gets an output quantizer (``LayerParts.out_quant``)
+for the same reason. Outputs that pass a ReLU are left to the deploy writer as before.
+
+Create and restore build the same structure from the plan and the graph; the clips come from
+the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
+each wrapped module as a ``selective_prune`` node tagged ``algorithm: activation_quant`` with the
+(scale, offset) of each quantizer, and restore refuses entries for modules it does not wrap.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from openamct.config.specs import LayerPlan, Plan
+from openamct.graph.graph import Graph
+from openamct.graph.node import TensorInfo
+from openamct.module_tree import set_module
+from openamct.quant.activation import QuantizedActivation
+from openamct.quant.quantizers import ActULQ
+from openamct.record import attrs
+from openamct.record.scale_offset_record_pb2 import AttrType, PruneRecord, ScaleOffsetRecord
+from openamct.techniques.base import Context, ExportParts, Technique, selective_algorithm
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "activation_quant"
+KIND_OF = {"SiLU": "silu", "Sigmoid": "sigmoid"}  # module class -> QuantizedActivation kind
+# Modules that map a quantized tensor onto the same grid (zero padding: 0 is on every grid).
+PASS_MODULES = {"ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "Identity", "Dropout", "Dropout1d", "Dropout2d",
+                "Dropout3d"}
+
+
+@dataclass(frozen=True)
+class ActDecision:
+    kind: str
+    producer: str  # the quantized layer whose output this op reads
+    quantize_output: bool
+
+
+@dataclass
+class ActState:
+    ops: dict[str, ActDecision]
+    outputs: list[str] = field(default_factory=list)  # conv layers given an output quantizer
+    modules: dict[str, QuantizedActivation] = field(default_factory=dict)  # filled by apply
+    stored: set[str] = field(default_factory=set)  # restore: the record's module names
+
+
+def _producer_layer(graph: Graph, t: TensorInfo, planned: set[str]) -> str | None:
+    p = t.producer
+    if p is None or p.kind != "module":
+        return None
+    if p.name in planned:
+        return p.name
+    if p.op.startswith("BatchNorm") and p.inputs and p.inputs[0].producer is not None:
+        layer = p.inputs[0].producer
+        if layer.kind == "module" and layer.name in planned and graph.single_bn_after(layer.name) == p.name:
+            return layer.name
+    return None
+
+
+PASS_FUNCTIONS = {"flatten", "reshape", "view", "contiguous", "dropout", "identity"}
+# Ops ONNX Runtime runs in int8 between DQ and Q (QLinearAdd/Mul/Concat/(Global)AveragePool)
+INT8_FUNCTIONS = {"add", "mul", "cat", "adaptive_avg_pool2d", "avg_pool2d"}
+INT8_MODULES = {"AdaptiveAvgPool2d", "AvgPool2d"}
+
+
+def _zero_pad(n) -> bool:
+    mode = n.kwargs.get("mode", n.args[2] if len(n.args) > 2 else "constant")
+    value = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else 0.0)
+    return n.op == "pad" and mode == "constant" and (value is None or float(value) == 0.0)
+
+
+def _passes(n) -> bool:
+    if len(n.outputs) != 1 or len(n.inputs) != 1:
+        return False
+    if n.kind == "module":
+        return n.op in PASS_MODULES
+    return n.kind == "function" and (n.op in PASS_FUNCTIONS or _zero_pad(n))
+
+
+def _int8_reader(model: nn.Module, n) -> bool:
+    if n.kind == "module" and n.op in INT8_MODULES:
+        # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input (HF
+        # EfficientNet's pooler: logits 12x too small); such a pool must read float
+        return not getattr(model.get_submodule(n.name), "ceil_mode", False)
+    # an in-place op (HF ResNet's ``hidden += residual``) would overwrite the quantizer's output,
+    # which its backward needs
+    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.inplace and not n.kwargs.get("ceil_mode", False)
+
+
+def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
+             wrapped: set[str] = frozenset()) -> dict[str, int]:
+    """Who reads ``t``, through ops that keep a quantized tensor on its grid: quantized layers
+    and wrapped activations ("layer", they quantize it themselves), ops ORT runs in int8
+    ("int8"), anything else or a graph output ("other")."""
+    count = {"layer": 0, "int8": 0, "other": int(graph.is_output(t)), "inplace": 0}
+    for n in graph.users(t):
+        count["inplace"] += int(n.inplace)
+        if n.kind == "module" and (n.name in planned or n.name in wrapped) and n.inputs and n.inputs[0] is t:
+            count["layer"] += 1
+        elif _passes(n):
+            for k, v in _readers(graph, n.outputs[0], planned, model, wrapped).items():
+                count[k] += v
+        elif _int8_reader(model, n):
+            # an Add/Mul with a constant runs in float in ORT: counts as "other"
+            binary = n.op in ("add", "mul")
+            count["int8" if not binary or len(n.inputs) == 2 else "other"] += 1
+        else:
+            count["other"] += 1
+    return count
+
+
+def _layer_output(graph: Graph, name: str) -> TensorInfo | None:
+    """The tensor a conv's output becomes after its folded BatchNorm (if any)."""
+    node = graph.call_of(name)
+    if node is None or len(node.outputs) != 1:
+        return None
+    bn = graph.single_bn_after(name)
+    if bn is None:
+        return node.outputs[0]
+    call = graph.call_of(bn)
+    return call.outputs[0] if call is not None and len(call.outputs) == 1 else None
+
+
+def _owned(entry: PruneRecord) -> bool:
+    return selective_algorithm(entry) == ALGORITHM
+
+
+class ActivationQuant(Technique):
+    name = "activation_quant"
+
+    def planned(self, plan: Plan) -> list[LayerPlan]:
+        return plan.quantized()  # it follows the quantized layers; the graph says which ops
+
+    def owns(self, entry: PruneRecord) -> bool:
+        return _owned(entry)
+
+    def plan(self, ctx: Context) -> ActState:
+        planned = {lp.name for lp in self.planned(ctx.plan)}
+        ops = {}
+        for node in ctx.graph:
+            kind = KIND_OF.get(node.op) if node.kind == "module" else None
+            if kind is None or ctx.graph.call_of(node.name) is not node or len(node.inputs) != 1:
+                continue
+            if type(ctx.model.get_submodule(node.name)).__name__ != node.op:
+                continue  # e.g. replaced by an earlier technique
+            producer = _producer_layer(ctx.graph, node.inputs[0], planned)
+            if producer is None:
+                continue
+            r = _readers(ctx.graph, node.outputs[0], planned, ctx.model)
+            if r["layer"] and (r["int8"] or r["other"]):
+                logger.debug("%s: read by quantized layers and other ops; its output stays float there", node.name)
+            ops[node.name] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0 and not r["inplace"])
+        # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
+        # an output quantizer, so QLinearConv has its output scale from training, not from a
+        # range observer the fake-quant model does not have.
+        outputs = []
+        for lp in self.planned(ctx.plan):
+            if not lp.type.startswith("Conv") or lp.type.startswith("ConvTranspose"):
+                continue
+            t = _layer_output(ctx.graph, lp.name)
+            if t is None:
+                continue
+            r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
+            if r["int8"] and not r["layer"] and not r["other"] and not r["inplace"]:
+                outputs.append(lp.name)
+        return ActState(ops, outputs=outputs)
+
+    def from_record(self, ctx: Context) -> ActState:
+        state = self.plan(ctx)
+        state.stored = {pr.selective_prune.name for pr in ctx.record.prune_record if _owned(pr)}
+        return state
+
+    def check_restore(self, ctx: Context, state: ActState) -> None:
+        for name in sorted(state.stored - set(state.ops) - set(state.outputs)):
+            raise ValueError(f"record_file has activation quantizers for module {name!r}, which this model and "
+                             "config do not quantize (record from another model or config?)")
+
+    def apply(self, ctx: Context, state: ActState) -> None:
+        batch_num = ctx.plan.batch_num
+        for name, d in state.ops.items():
+            def q(fixed_min: bool, what: str) -> ActULQ:
+                aq = ActULQ(fixed_min=fixed_min, batch_num=batch_num)
+                aq.layer_name = f"{name} ({what})"  # for its error messages
+                return aq
+            sig_out = q(True, "sigmoid output")  # sigmoid >= 0: clip_min pinned at 0
+            if d.kind == "silu":
+                wrapper = QuantizedActivation("silu", q(False, "input"), sig_out,
+                                              q(False, "output") if d.quantize_output else None)
+            else:
+                wrapper = QuantizedActivation("sigmoid", q(False, "input"), None,
+                                              sig_out if d.quantize_output else None)
+            wrapper.train(ctx.model.get_submodule(name).training)
+            set_module(ctx.model, name, wrapper)
+            state.modules[name] = wrapper
+        for name in state.outputs:
+            aq = ActULQ(fixed_min=False, batch_num=batch_num)
+            aq.layer_name = f"{name} (output)"
+            ctx.parts_of(name).out_quant = aq
+
+    def to_record(self, state: ActState, layers, record: ScaleOffsetRecord) -> None:
+        found = [(n, w.kind, w.quantizers()) for n, w in state.modules.items()]
+        found += [(n, "output", {"q_out": layers[n].out_quant}) for n in state.outputs if n in layers]
+        for name, op, qs in found:
+            if not all(bool(q.initialized) for q in qs.values()):
+                continue
+            node = record.prune_record.add().selective_prune
+            node.name = name
+            attrs.add_str(node, "algorithm", ALGORITHM)
+            attrs.add_str(node, "op", op)
+            node.attr.add(name="quantizers", type=AttrType.STRINGS, strings=[k.encode() for k in qs])
+            pairs = [q.scale_offset() for q in qs.values()]
+            node.attr.add(name="scale_d", type=AttrType.FLOATS, floats=[s for s, _ in pairs])
+            attrs.add_ints(node, "offset_d", [o for _, o in pairs])
+
+
+    @torch.no_grad()
+    def export_parts(self, layer: nn.Module, parts: ExportParts) -> None:
+        if getattr(layer, "out_quant", None) is not None:
+            parts.output_quant = layer.out_quant.scale_offset()
