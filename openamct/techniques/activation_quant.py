@@ -200,7 +200,7 @@ class ActivationQuant(Technique):
     def apply(self, ctx: Context, state: ActState) -> None:
         batch_num = ctx.plan.batch_num
         for name, d in state.ops.items():
-            def q(fixed_min: bool, what: str) -> ActULQ:
+            def q(fixed_min: bool, what: str, name: str = name) -> ActULQ:
                 aq = ActULQ(fixed_min=fixed_min, batch_num=batch_num)
                 aq.layer_name = f"{name} ({what})"  # for its error messages
                 return aq

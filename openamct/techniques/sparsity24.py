@@ -21,8 +21,8 @@ import torch
 from openamct.config.specs import LayerPlan, Plan
 from openamct.prune.mask_codec import num_words, pack_mask, pack_mask_bytes, unpack_mask
 from openamct.record import attrs
-from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
+from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
 from openamct.techniques.base import Context, Technique, selective_algorithm
 
 logger = logging.getLogger(__name__)
