@@ -24,11 +24,13 @@ from openamct.graph.node import Node, TensorArg, TensorInfo
 from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
 from openamct.log_summary import warn_grouped
 from openamct.prune.channel_params import PARAMETER
+from openamct.prune.fused_split import FusedSplitMixin
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
 from openamct.prune.heads import MATMULS, HeadsMixin
 from openamct.prune.index_mapping import (
     AXIS_OPS,
     RESHAPE_OPS,
+    SPLIT_OPS,
     ChannelMap,
     align,
     broadcast_dim,
@@ -75,6 +77,7 @@ class _Source:
     group: int
     spec: FilterSpec | None  # None: the layer starts a channel space but is not pruned
     why_not: str = ""
+    begin: int = 0  # first output row: a piece of a fused projection's output (fused_split)
 
 
 def _arg(node: Node, pos: int, key: str, default: object = None) -> object:
@@ -101,7 +104,7 @@ def _describe(t: TensorInfo) -> str:
     return f"the output of {t.producer.name} ({t.producer.op})"
 
 
-class _Analysis(HeadsMixin, OwnersMixin):
+class _Analysis(HeadsMixin, OwnersMixin, FusedSplitMixin):
     def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan,
                  modules: dict[str, nn.Module]) -> None:
         self.graph, self.layers, self.plan, self.modules = graph, layers, plan, modules
@@ -270,6 +273,10 @@ class _Analysis(HeadsMixin, OwnersMixin):
     def follow(self, node: Node, src: TensorInfo) -> None:
         cmap = self.maps[src.key]
         moved = follow(node.op, node.args, node.kwargs, src.shape, node.outputs[0].shape, cmap.axis)
+        if isinstance(moved, str) and node.op in SPLIT_OPS:
+            moved = self.split_channels(node, src) or None  # fused Q/K/V: c_attn(x).split(size, dim)
+            if moved is None:
+                return
         if isinstance(moved, str) and node.op in RESHAPE_OPS:
             moved = self.split_heads(node, src) or None  # attention heads: view(..., -1, head_dim)
         if isinstance(moved, str):
@@ -398,7 +405,8 @@ class _Analysis(HeadsMixin, OwnersMixin):
             logger.info("filter prune: coupled layers %s have different settings; the group uses "
                         "prune_ratio %g (the smallest), ascend_optimized %s (any)",
                         ", ".join(s.name for s in srcs), ratio, ascend)
-        producers = [Member(s.name, s.op_type, 0, s.channels * self.unit[g], self.unit[g], s.group, "producer")
+        producers = [Member(s.name, s.op_type, s.begin, s.begin + s.channels * self.unit[g], self.unit[g], s.group,
+                            "producer")
                      for g, s in zip(gids, srcs, strict=True)]
         seen, passive, consumers = set(), [], []
         for _, m in sorted((x for g in gids for x in self.members[g]), key=lambda x: x[0]):

@@ -62,9 +62,10 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
                 raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
             m = modules[p.name]
             w = m.weight.t() if layer_type_of(m).name == "Conv1D" else m.weight  # output channels first
-            if w.shape[0] != g.channels * p.repeat:
+            if p.end > w.shape[0] or p.end - p.begin != g.channels * p.repeat:
                 raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
-                                 f"its group expects {g.channels * p.repeat}")
+                                 f"its group expects {g.channels * p.repeat} at {p.begin}..{p.end - 1}")
+            w = w[p.begin:p.end]  # one piece of a fused projection (GPT-2's c_attn: Q, K or V)
             # a unit of p.repeat rows (an attention head) is scored as one filter
             total += channel_scores(w.reshape(g.channels, -1))  # every producer counts, not just the first
         # ascend_optimized aligns the kept rows of every producer: a unit of r rows (a head)

@@ -117,8 +117,6 @@ class _Reader:
         begin, end, size = get_int(node, "begin", 0), get_int(node, "end"), _axis_size(m, role)
         if end is None:
             raise ValueError(f"{self.where}: {what} {node.name!r} has no 'end' attribute")
-        if role == "producer" and (begin, end) != (0, size):
-            raise self.fail(what, node, f"has {size} output channels, the record says begin={begin} end={end}")
         if not 0 <= begin < end <= size:
             raise self.fail(what, node, f"has {size} channels on the pruned axis, the record says "
                                         f"begin={begin} end={end}")
@@ -134,19 +132,21 @@ class _Reader:
             if axis is not None and axis not in ((-1, 1) if kind == "Gemm" else (1,)):
                 raise self.fail("producer", node, f"is pruned on axis {1 if kind == 'Conv' else -1}, "
                                                   f"the record says prune_axis={axis}")
-            begin, end = self.span(node, m, "producer", "producer")
+            begin, end = self.span(node, m, "producer", "producer")  # a slice: one piece of a fused layer
             unit = get_int(node, "prune_unit", 1) or 1
-            if unit < 1 or end % unit:
-                raise self.fail("producer", node, f"has {end} output channels, not whole units of prune_unit={unit}")
-            if members and end // unit != channels:
-                raise self.fail("producer", node, f"has {end // unit} units of {unit} channels, producer "
+            if unit < 1 or (end - begin) % unit:
+                raise self.fail("producer", node, f"has {end - begin} output channels, not whole units of "
+                                                  f"prune_unit={unit}")
+            if members and (end - begin) // unit != channels:
+                raise self.fail("producer", node, f"has {(end - begin) // unit} units of {unit} channels, producer "
                                                   f"{members[0].name!r} has {channels}")
-            channels = end // unit
+            channels = (end - begin) // unit
             rows = sorted(get_ints(node, "prune_index") or [])
-            idx = sorted({r // unit for r in rows}) if unit > 1 else rows  # (repeats: refused below)
-            member = Member(node.name, kind, 0, end, unit, getattr(m, "groups", 1), "producer")
-            if unit > 1 and member.positions(idx) != rows:
-                raise self.fail("producer", node, f"prune_index does not remove whole units of prune_unit={unit}")
+            idx = sorted({(r - begin) // unit for r in rows}) if unit > 1 else [r - begin for r in rows]
+            member = Member(node.name, kind, begin, end, unit, getattr(m, "groups", 1), "producer")
+            if unit > 1 and (member.positions(idx) != rows or any(not 0 <= c < channels for c in idx)):
+                raise self.fail("producer", node, f"prune_index does not remove whole units of prune_unit={unit} "
+                                                  f"inside begin={begin} end={end}")
             if removed is not None and idx != removed:
                 raise self.fail("producer", node, "removes other channels than the first producer")
             removed = idx
@@ -209,6 +209,24 @@ class _Reader:
         return member
 
 
+def _check_producer_tiling(groups: list[PruneGroup], modules: dict[str, nn.Module]) -> None:
+    """A producer's slices (one per piece of a fused projection, else one) cover all its output
+    channels exactly once: a partial or overlapping slice is a record from another model."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for g in groups:
+        for p in g.producers:
+            spans.setdefault(p.name, []).append((p.begin, p.end))
+    for name, parts in spans.items():
+        size, pos = _axis_size(modules[name], "producer"), 0
+        for begin, end in sorted(parts):
+            if begin != pos:
+                break
+            pos = end
+        if pos != size or len({b for b, _ in parts}) != len(parts):
+            raise ValueError(f"record_file: producer {name!r} has {size} output channels, its record slices "
+                             f"{sorted(parts)} do not cover them once each (record from another model?)")
+
+
 def groups_from_records(record: ScaleOffsetRecord, model: nn.Module) -> list[PruneGroup]:
     """Rebuild the filter-prune groups of ``record`` for ``model`` (the original, unpruned
     model) without re-scoring; any mismatch is a ValueError naming the layer and record."""
@@ -230,5 +248,6 @@ def groups_from_records(record: ScaleOffsetRecord, model: nn.Module) -> list[Pru
             validate_removal(model, groups[-1:])
         except ValueError as exc:
             raise ValueError(f"record_file prune_record[{idx}]: {exc} (record from another model?)") from None
+    _check_producer_tiling(groups, modules)
     logger.debug("filter prune: %d groups read from the record", len(groups))
     return groups
