@@ -16,6 +16,7 @@ from torch import nn
 from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
 from openamct.prune.channel_params import ATTRIBUTE, PARAMETER, owner_size, sliced, vector_dim
 from openamct.prune.group import PruneGroup
+from openamct.prune.head_bias import embedding_columns
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         if m.bias is not None:
             tensors["bias"] = m.bias.data[outs]
         return tensors, {"nf": len(outs)} | ({"nx": len(ins)} if hasattr(m, "nx") else {})
+    if isinstance(m, nn.Embedding):  # a per-head bias table (T5's relative_attention_bias): columns
+        return embedding_columns(m, _keep(m.embedding_dim, out_cut | in_cut, f"{name}.embedding_dim"))
     if isinstance(m, nn.GroupNorm) and m.num_groups not in (1, m.num_channels):
         kept = _blockwise(m.num_channels, m.num_groups, out_cut | in_cut, f"{name}.num_channels")
         return sliced(m, [b * (m.num_channels // m.num_groups) + i for b, k in enumerate(kept) for i in k])

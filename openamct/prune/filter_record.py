@@ -9,7 +9,8 @@ positions, absolute, inside begin..end). Per-channel parameter owners are consum
 ``LayerNormalization``/``RMSNormalization``/``GroupNormalization`` (those classes),
 ``ChannelParams`` (any other module whose tensors are per-channel vectors: GRN, LayerScale
 modules) or ``Parameter`` (a bare parameter, named by its full path, e.g. ConvNeXt's
-``layer_scale_parameter``).
+``layer_scale_parameter``). A per-head bias table (T5's ``relative_attention_bias`` Embedding) is a
+consumer typed ``Gather``, its columns (one per head) the positions.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from openamct.prune.channel_params import (
 )
 from openamct.prune.filter import validate_removal
 from openamct.prune.group import FUNCTION_OP_TYPES, Member, PruneGroup
+from openamct.prune.head_bias import EMBEDDING
 from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
 from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
 
 logger = logging.getLogger(__name__)
 
-_OWNER_CLASSES = {LAYER_NORM: nn.LayerNorm, GROUP_NORM: nn.GroupNorm, RMS_NORM: getattr(nn, "RMSNorm", nn.LayerNorm)}
+_OWNER_CLASSES = {EMBEDDING: nn.Embedding, LAYER_NORM: nn.LayerNorm, GROUP_NORM: nn.GroupNorm, RMS_NORM: getattr(nn, "RMSNorm", nn.LayerNorm)}
 _TYPES = {"Conv": CONVS, "ConvTranspose": TRANSPOSED_CONVS, "Gemm": (nn.Linear,), "BatchNormalization": BATCHNORM_TYPES}
 
 
@@ -117,6 +119,11 @@ class _Reader:
         begin, end, size = get_int(node, "begin", 0), get_int(node, "end"), _axis_size(m, role)
         if end is None:
             raise ValueError(f"{self.where}: {what} {node.name!r} has no 'end' attribute")
+        # a producer named once covers all its rows; a fused layer's pieces (several nodes of one
+        # name) are slices, their tiling checked once every record is read
+        whole = role == "producer" and sum(p.name == node.name for p in self.pr.producer) == 1
+        if whole and (begin, end) != (0, size):
+            raise self.fail(what, node, f"has {size} output channels, the record says begin={begin} end={end}")
         if not 0 <= begin < end <= size:
             raise self.fail(what, node, f"has {size} channels on the pruned axis, the record says "
                                         f"begin={begin} end={end}")
@@ -174,7 +181,8 @@ class _Reader:
             target = self.params.get(node.name) if kind == PARAMETER else self.modules.get(node.name)
         if target is None:
             raise self.fail("consumer", node, f"does not exist in the model (type {kind!r})")
-        size = target if kind == ATTRIBUTE else owner_size(target)
+        size = (target if kind == ATTRIBUTE else getattr(target, "embedding_dim", None) if kind == EMBEDDING
+                else owner_size(target))
         if size is None or kind not in (PARAMETER, ATTRIBUTE) and not isinstance(target, _OWNER_CLASSES.get(kind,
                                                                                                           nn.Module)):
             raise self.fail("consumer", node, f"is a {type(target).__name__} in the model, not a per-channel "
@@ -194,7 +202,7 @@ class _Reader:
         if node.name not in self.modules and kind in FUNCTION_OP_TYPES:  # Add/Concat: no weights
             begin, end = get_int(node, "begin", 0), get_int(node, "end", channels)
             return Member(node.name, kind, begin, end, max((end - begin) // channels, 1), 1, "passive")
-        if kind in OWNER_TYPES:
+        if kind in (*OWNER_TYPES, EMBEDDING):
             return self.owner(node, kind, channels, removed)
         m, kind = self.module(node, "consumer")
         role = "passive" if isinstance(m, BATCHNORM_TYPES) or is_depthwise(m) else "consumer"
