@@ -24,11 +24,14 @@ from openamct.graph.node import Node, TensorArg, TensorInfo
 from openamct.layer_types import FILTER_TYPES, LAYER_TYPES, features
 from openamct.log_summary import warn_grouped
 from openamct.prune.channel_params import PARAMETER
+from openamct.prune.fused_split import FusedSplitMixin
 from openamct.prune.group import BlockedGroup, Member, PruneGroup
+from openamct.prune.head_bias import EMBEDDING, head_embedding
 from openamct.prune.heads import MATMULS, HeadsMixin
 from openamct.prune.index_mapping import (
     AXIS_OPS,
     RESHAPE_OPS,
+    SPLIT_OPS,
     ChannelMap,
     align,
     broadcast_dim,
@@ -75,6 +78,8 @@ class _Source:
     group: int
     spec: FilterSpec | None  # None: the layer starts a channel space but is not pruned
     why_not: str = ""
+    begin: int = 0  # first output row: a piece of a fused projection's output (fused_split)
+    follower: bool = False  # not a layer: a per-head bias table that follows its head group (head_bias)
 
 
 def _arg(node: Node, pos: int, key: str, default: object = None) -> object:
@@ -101,7 +106,7 @@ def _describe(t: TensorInfo) -> str:
     return f"the output of {t.producer.name} ({t.producer.op})"
 
 
-class _Analysis(HeadsMixin, OwnersMixin):
+class _Analysis(HeadsMixin, OwnersMixin, FusedSplitMixin):
     def __init__(self, graph: Graph, layers: dict[str, LayerInfo], plan: Plan,
                  modules: dict[str, nn.Module]) -> None:
         self.graph, self.layers, self.plan, self.modules = graph, layers, plan, modules
@@ -165,7 +170,12 @@ class _Analysis(HeadsMixin, OwnersMixin):
         if info is not None:
             self.layer(node, info, ins)
         elif not ins:
-            return
+            heads = head_embedding(node, self.modules, len(self.graph.module_calls.get(node.name, [])))
+            if heads is not None:  # T5's relative_attention_bias: one column per head
+                out = node.outputs[0]
+                self.new_source(out, len(out.shape) - 1, _Source(node.name, EMBEDDING, heads, 1, None,
+                                                                 follower=True))
+                self.add_members(self.maps[out.key], node.name, EMBEDDING, "passive")
         elif node.op in BATCHNORMS:
             cmap = self.maps[ins[0].key]
             if len(self.graph.module_calls.get(node.name, [])) != 1:
@@ -270,6 +280,10 @@ class _Analysis(HeadsMixin, OwnersMixin):
     def follow(self, node: Node, src: TensorInfo) -> None:
         cmap = self.maps[src.key]
         moved = follow(node.op, node.args, node.kwargs, src.shape, node.outputs[0].shape, cmap.axis)
+        if isinstance(moved, str) and node.op in SPLIT_OPS:
+            moved = self.split_channels(node, src) or None  # fused Q/K/V: c_attn(x).split(size, dim)
+            if moved is None:
+                return
         if isinstance(moved, str) and node.op in RESHAPE_OPS:
             moved = self.split_heads(node, src) or None  # attention heads: view(..., -1, head_dim)
         if isinstance(moved, str):
@@ -368,14 +382,15 @@ class _Analysis(HeadsMixin, OwnersMixin):
         for g in range(len(self.sources)):
             roots.setdefault(self.find(g), []).append(g)
         groups, blocked = [], []
-        for gids in roots.values():
+        for every in roots.values():
+            gids = [g for g in every if not self.sources[g].follower]  # followers join, they do not decide
             srcs = [self.sources[g] for g in gids]
             if not any(s.spec for s in srcs):
                 continue
             names = [s.name for s in srcs]
-            stops = sorted(self.blocks[g] for g in gids if g in self.blocks)
+            stops = sorted(self.blocks[g] for g in every if g in self.blocks)
             idle = [s for s in srcs if s.spec is None]
-            prune_group = math.lcm(1, *(f for g in gids for f in self.folds[g]))
+            prune_group = math.lcm(1, *(f for g in every for f in self.folds[g]))
             if stops:
                 at, reason = stops[0][1], stops[0][2]
             elif idle:
@@ -384,24 +399,25 @@ class _Analysis(HeadsMixin, OwnersMixin):
                 at, reason = names[0], (f"{srcs[0].channels} channels cannot be split into {prune_group} "
                                         "equal blocks (grouped convs)")
             else:
-                groups.append(self.make_group(gids, srcs, prune_group))
+                groups.append(self.make_group(gids, srcs, prune_group, every))
                 continue
             blocked.append(BlockedGroup(names, at, reason))
         warn_grouped(logger, "filter prune: group(s) not pruned",
                      [(f"{', '.join(b.producers)} (stopped at {b.at})", b.reason) for b in blocked])
         return groups, blocked
 
-    def make_group(self, gids: list[int], srcs: list[_Source], prune_group: int) -> PruneGroup:
+    def make_group(self, gids: list[int], srcs: list[_Source], prune_group: int, every: list[int]) -> PruneGroup:
         specs = [s.spec for s in srcs]
         ratio, ascend = min(s.ratio for s in specs), any(s.ascend_optimized for s in specs)
         if len({(s.ratio, s.ascend_optimized) for s in specs}) > 1:
             logger.info("filter prune: coupled layers %s have different settings; the group uses "
                         "prune_ratio %g (the smallest), ascend_optimized %s (any)",
                         ", ".join(s.name for s in srcs), ratio, ascend)
-        producers = [Member(s.name, s.op_type, 0, s.channels * self.unit[g], self.unit[g], s.group, "producer")
+        producers = [Member(s.name, s.op_type, s.begin, s.begin + s.channels * self.unit[g], self.unit[g], s.group,
+                            "producer")
                      for g, s in zip(gids, srcs, strict=True)]
         seen, passive, consumers = set(), [], []
-        for _, m in sorted((x for g in gids for x in self.members[g]), key=lambda x: x[0]):
+        for _, m in sorted((x for g in every for x in self.members[g]), key=lambda x: x[0]):
             key = (m.name, m.begin, m.end, m.role)
             if key not in seen:
                 seen.add(key)

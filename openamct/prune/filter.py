@@ -16,6 +16,7 @@ from torch import nn
 from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
 from openamct.prune.channel_params import ATTRIBUTE, PARAMETER, owner_size, sliced, vector_dim
 from openamct.prune.group import PruneGroup
+from openamct.prune.head_bias import embedding_columns
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,10 @@ def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
                 raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
             m = modules[p.name]
             w = m.weight.t() if layer_type_of(m).name == "Conv1D" else m.weight  # output channels first
-            if w.shape[0] != g.channels * p.repeat:
+            if p.end > w.shape[0] or p.end - p.begin != g.channels * p.repeat:
                 raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
-                                 f"its group expects {g.channels * p.repeat}")
+                                 f"its group expects {g.channels * p.repeat} at {p.begin}..{p.end - 1}")
+            w = w[p.begin:p.end]  # one piece of a fused projection (GPT-2's c_attn: Q, K or V)
             # a unit of p.repeat rows (an attention head) is scored as one filter
             total += channel_scores(w.reshape(g.channels, -1))  # every producer counts, not just the first
         # ascend_optimized aligns the kept rows of every producer: a unit of r rows (a head)
@@ -174,6 +176,8 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         if m.bias is not None:
             tensors["bias"] = m.bias.data[outs]
         return tensors, {"nf": len(outs)} | ({"nx": len(ins)} if hasattr(m, "nx") else {})
+    if isinstance(m, nn.Embedding):  # a per-head bias table (T5's relative_attention_bias): columns
+        return embedding_columns(m, _keep(m.embedding_dim, out_cut | in_cut, f"{name}.embedding_dim"))
     if isinstance(m, nn.GroupNorm) and m.num_groups not in (1, m.num_channels):
         kept = _blockwise(m.num_channels, m.num_groups, out_cut | in_cut, f"{name}.num_channels")
         return sliced(m, [b * (m.num_channels // m.num_groups) + i for b, k in enumerate(kept) for i in k])

@@ -9,7 +9,8 @@ positions, absolute, inside begin..end). Per-channel parameter owners are consum
 ``LayerNormalization``/``RMSNormalization``/``GroupNormalization`` (those classes),
 ``ChannelParams`` (any other module whose tensors are per-channel vectors: GRN, LayerScale
 modules) or ``Parameter`` (a bare parameter, named by its full path, e.g. ConvNeXt's
-``layer_scale_parameter``).
+``layer_scale_parameter``). A per-head bias table (T5's ``relative_attention_bias`` Embedding) is a
+consumer typed ``Gather``, its columns (one per head) the positions.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from openamct.prune.channel_params import (
 )
 from openamct.prune.filter import validate_removal
 from openamct.prune.group import FUNCTION_OP_TYPES, Member, PruneGroup
+from openamct.prune.head_bias import EMBEDDING
 from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
 from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
 
 logger = logging.getLogger(__name__)
 
-_OWNER_CLASSES = {LAYER_NORM: nn.LayerNorm, GROUP_NORM: nn.GroupNorm, RMS_NORM: getattr(nn, "RMSNorm", nn.LayerNorm)}
+_OWNER_CLASSES = {EMBEDDING: nn.Embedding, LAYER_NORM: nn.LayerNorm, GROUP_NORM: nn.GroupNorm, RMS_NORM: getattr(nn, "RMSNorm", nn.LayerNorm)}
 _TYPES = {"Conv": CONVS, "ConvTranspose": TRANSPOSED_CONVS, "Gemm": (nn.Linear,), "BatchNormalization": BATCHNORM_TYPES}
 
 
@@ -117,7 +119,10 @@ class _Reader:
         begin, end, size = get_int(node, "begin", 0), get_int(node, "end"), _axis_size(m, role)
         if end is None:
             raise ValueError(f"{self.where}: {what} {node.name!r} has no 'end' attribute")
-        if role == "producer" and (begin, end) != (0, size):
+        # a producer named once covers all its rows; a fused layer's pieces (several nodes of one
+        # name) are slices, their tiling checked once every record is read
+        whole = role == "producer" and sum(p.name == node.name for p in self.pr.producer) == 1
+        if whole and (begin, end) != (0, size):
             raise self.fail(what, node, f"has {size} output channels, the record says begin={begin} end={end}")
         if not 0 <= begin < end <= size:
             raise self.fail(what, node, f"has {size} channels on the pruned axis, the record says "
@@ -134,19 +139,21 @@ class _Reader:
             if axis is not None and axis not in ((-1, 1) if kind == "Gemm" else (1,)):
                 raise self.fail("producer", node, f"is pruned on axis {1 if kind == 'Conv' else -1}, "
                                                   f"the record says prune_axis={axis}")
-            begin, end = self.span(node, m, "producer", "producer")
+            begin, end = self.span(node, m, "producer", "producer")  # a slice: one piece of a fused layer
             unit = get_int(node, "prune_unit", 1) or 1
-            if unit < 1 or end % unit:
-                raise self.fail("producer", node, f"has {end} output channels, not whole units of prune_unit={unit}")
-            if members and end // unit != channels:
-                raise self.fail("producer", node, f"has {end // unit} units of {unit} channels, producer "
+            if unit < 1 or (end - begin) % unit:
+                raise self.fail("producer", node, f"has {end - begin} output channels, not whole units of "
+                                                  f"prune_unit={unit}")
+            if members and (end - begin) // unit != channels:
+                raise self.fail("producer", node, f"has {(end - begin) // unit} units of {unit} channels, producer "
                                                   f"{members[0].name!r} has {channels}")
-            channels = end // unit
+            channels = (end - begin) // unit
             rows = sorted(get_ints(node, "prune_index") or [])
-            idx = sorted({r // unit for r in rows}) if unit > 1 else rows  # (repeats: refused below)
-            member = Member(node.name, kind, 0, end, unit, getattr(m, "groups", 1), "producer")
-            if unit > 1 and member.positions(idx) != rows:
-                raise self.fail("producer", node, f"prune_index does not remove whole units of prune_unit={unit}")
+            idx = sorted({(r - begin) // unit for r in rows}) if unit > 1 else [r - begin for r in rows]
+            member = Member(node.name, kind, begin, end, unit, getattr(m, "groups", 1), "producer")
+            if unit > 1 and (member.positions(idx) != rows or any(not 0 <= c < channels for c in idx)):
+                raise self.fail("producer", node, f"prune_index does not remove whole units of prune_unit={unit} "
+                                                  f"inside begin={begin} end={end}")
             if removed is not None and idx != removed:
                 raise self.fail("producer", node, "removes other channels than the first producer")
             removed = idx
@@ -174,7 +181,8 @@ class _Reader:
             target = self.params.get(node.name) if kind == PARAMETER else self.modules.get(node.name)
         if target is None:
             raise self.fail("consumer", node, f"does not exist in the model (type {kind!r})")
-        size = target if kind == ATTRIBUTE else owner_size(target)
+        size = (target if kind == ATTRIBUTE else getattr(target, "embedding_dim", None) if kind == EMBEDDING
+                else owner_size(target))
         if size is None or kind not in (PARAMETER, ATTRIBUTE) and not isinstance(target, _OWNER_CLASSES.get(kind,
                                                                                                           nn.Module)):
             raise self.fail("consumer", node, f"is a {type(target).__name__} in the model, not a per-channel "
@@ -194,7 +202,7 @@ class _Reader:
         if node.name not in self.modules and kind in FUNCTION_OP_TYPES:  # Add/Concat: no weights
             begin, end = get_int(node, "begin", 0), get_int(node, "end", channels)
             return Member(node.name, kind, begin, end, max((end - begin) // channels, 1), 1, "passive")
-        if kind in OWNER_TYPES:
+        if kind in (*OWNER_TYPES, EMBEDDING):
             return self.owner(node, kind, channels, removed)
         m, kind = self.module(node, "consumer")
         role = "passive" if isinstance(m, BATCHNORM_TYPES) or is_depthwise(m) else "consumer"
@@ -207,6 +215,24 @@ class _Reader:
         if idx is not None and sorted(idx) != member.positions(removed):
             raise self.fail("consumer", node, "lists other removed positions than its producers imply")
         return member
+
+
+def _check_producer_tiling(groups: list[PruneGroup], modules: dict[str, nn.Module]) -> None:
+    """A producer's slices (one per piece of a fused projection, else one) cover all its output
+    channels exactly once: a partial or overlapping slice is a record from another model."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for g in groups:
+        for p in g.producers:
+            spans.setdefault(p.name, []).append((p.begin, p.end))
+    for name, parts in spans.items():
+        size, pos = _axis_size(modules[name], "producer"), 0
+        for begin, end in sorted(parts):
+            if begin != pos:
+                break
+            pos = end
+        if pos != size or len({b for b, _ in parts}) != len(parts):
+            raise ValueError(f"record_file: producer {name!r} has {size} output channels, its record slices "
+                             f"{sorted(parts)} do not cover them once each (record from another model?)")
 
 
 def groups_from_records(record: ScaleOffsetRecord, model: nn.Module) -> list[PruneGroup]:
@@ -230,5 +256,6 @@ def groups_from_records(record: ScaleOffsetRecord, model: nn.Module) -> list[Pru
             validate_removal(model, groups[-1:])
         except ValueError as exc:
             raise ValueError(f"record_file prune_record[{idx}]: {exc} (record from another model?)") from None
+    _check_producer_tiling(groups, modules)
     logger.debug("filter prune: %d groups read from the record", len(groups))
     return groups
