@@ -15,8 +15,8 @@ would round twice) and an op ORT runs in int8 does, looking through constant-zer
 Dropout/Identity/Flatten/Reshape.
 
 A quantized conv whose output (after its folded BN) only such ops read (a residual Add, the
-average pool before a classifier, concat) gets an output quantizer (``LayerParts.out_quant``)
-for the same reason. Outputs that pass a ReLU are left to the deploy writer as before.
+average pool before a classifier, concat), or only quantized layers and residual Adds, gets an
+output quantizer (``LayerParts.out_quant``) for the same reason. Outputs that pass a ReLU are left to the deploy writer as before.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
