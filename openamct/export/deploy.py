@@ -172,9 +172,10 @@ def _passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
 
 
 def _walk(g: OnnxGraph, y: str):
-    """Follow single-consumer pass-through ops from ``y`` to a tensor read only by input
-    quantizers with one qparams (and Adds). Returns (chain, final Q, adds) or None."""
-    chain, t = [], y
+    """Follow pass-through ops from ``y`` (each tensor read by one of them, plus Adds) to a
+    tensor read only by input quantizers with one qparams (and Adds). Returns (chain, final Q,
+    adds reading that tensor) or None."""
+    chain, t, branched = [], y, False
     while not g.is_output(t):
         users = g.users(t)
         qs = _act_qs(g, t)
@@ -184,10 +185,19 @@ def _walk(g: OnnxGraph, y: str):
             if all(u.op_type == "Add" for u in adds):
                 return chain, qs[0], adds
             return None
-        if len(users) != 1 or not _passes(g, users[0]) or len(users[0].output) != 1:
+        # A tensor also read by residual Adds (MobileNetV2's block output: the next block's
+        # TF pad -> expand conv, and its Add): follow the one other reader. _place puts a Q/DQ
+        # on every tensor of the chain but the last, so these Adds then read DQ(Q(t)). Only
+        # where no Relu/Clip follows, whose quantizer's range would clip what the Add reads.
+        others = [u for u in users if u.op_type != "Add" or any(g.const(i) is not None for i in u.input)]
+        if len(others) != 1 or not _passes(g, others[0]) or len(others[0].output) != 1:
             return None  # (a MaxPool with an indices output is not a pass-through)
-        chain.append(users[0])
-        t = users[0].output[0]
+        if len(others) < len(users):
+            branched = True
+        if branched and others[0].op_type in ("Relu", "Clip"):
+            return None
+        chain.append(others[0])
+        t = others[0].output[0]
     return None
 
 

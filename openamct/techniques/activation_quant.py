@@ -15,8 +15,8 @@ would round twice) and an op ORT runs in int8 does, looking through constant-zer
 Dropout/Identity/Flatten/Reshape.
 
 A quantized conv whose output (after its folded BN) only such ops read (a residual Add, the
-average pool before a classifier, concat) gets an output quantizer (``LayerParts.out_quant``)
-for the same reason. Outputs that pass a ReLU are left to the deploy writer as before.
+average pool before a classifier, concat), or only quantized layers and residual Adds, gets an
+output quantizer (``LayerParts.out_quant``) for the same reason. Outputs that pass a ReLU are left to the deploy writer as before.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
@@ -114,7 +114,7 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     """Who reads ``t``, through ops that keep a quantized tensor on its grid: quantized layers
     and wrapped activations ("layer", they quantize it themselves), ops ORT runs in int8
     ("int8"), anything else or a graph output ("other")."""
-    count = {"layer": 0, "int8": 0, "other": int(graph.is_output(t)), "inplace": 0}
+    count = {"layer": 0, "int8": 0, "add": 0, "other": int(graph.is_output(t)), "inplace": 0}
     for n in graph.users(t):
         count["inplace"] += int(n.inplace)
         if n.kind == "module" and (n.name in planned or n.name in wrapped) and n.inputs and n.inputs[0] is t:
@@ -126,6 +126,7 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
             # an Add/Mul with a constant runs in float in ORT: counts as "other"
             binary = n.op in ("add", "mul")
             count["int8" if not binary or len(n.inputs) == 2 else "other"] += 1
+            count["add"] += int(n.op == "add" and len(n.inputs) == 2)
         else:
             count["other"] += 1
     return count
@@ -183,7 +184,11 @@ class ActivationQuant(Technique):
             if t is None:
                 continue
             r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
-            if r["int8"] and not r["layer"] and not r["other"] and not r["inplace"]:
+            # Also when quantized layers read it too but the int8 ops are residual Adds: the
+            # deploy model's QLinearAdd needs this tensor quantized, and without a quantizer of
+            # its own the deploy writer would use the next layer's input quantizer, which the
+            # fake-quant model does not apply to the Add (MNIST SE net: 90.9 vs 90.5 %).
+            if r["int8"] and not r["other"] and not r["inplace"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
         return ActState(ops, outputs=outputs)
 

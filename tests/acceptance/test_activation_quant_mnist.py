@@ -3,14 +3,18 @@ residual add: tests/se_model.py) trained on MNIST-5k, then INT8 QAT. With the ac
 technique the deploy model runs Sigmoid / Mul / pools in int8 and computes what the fake-quant
 model computes.
 
-Measured here (2 shared cores, torch 2.13, ORT 1.32): float 91.4 %, QAT 90.5 %; fake-quant vs
-torch cosine 0.9999997; deploy vs fake-quant cosine 0.99973, max |diff| 2.9 % of the logit
-range, 4 of 1000 argmaxes differ (all on margins below that difference), accuracy 90.9 vs
-90.5 %. The issue's target (accuracy within 0.1 point) is not met yet: the gap is the deploy
-writer's re-quantisation of the residual Add's identity input for QLinearAdd (deploy.py, _place),
-which the fake-quant model does not do; with that rewiring switched off the same model gives
-cosine 0.99986 and 90.4 vs 90.5 %. The gap is the same with ORT's graph optimisations off, so it
-is the graph, not ORT's kernels. Hence the accuracy bound below is 1 point, not 0.1.
+Measured here (2 shared cores, torch 2.13, ORT 1.32, 1 thread), seeds 0-2: QAT 90.6-91.3 %;
+fake-quant vs torch cosine >= 0.999999; deploy vs fake-quant cosine 0.99988-0.99990, max |diff|
+2.2-3.6 % of the logit range, 1-5 of 1000 argmaxes differ (all on margins below that difference:
+rounding flips, in either direction), accuracies 0, 1 and 1 image apart, and 2 images (90.6 vs
+90.4 %) in one pytest run of seed 0. Before the conv feeding a residual Add got its own output
+quantizer (activation_quant), the deploy writer re-quantised the Add's identity input with the
+next conv's quantizer, which the fake-quant model does not apply: 90.9 vs 90.5 %, cosine 0.99973.
+
+The issue's 0.1 point is one image of these 1000: below the flip noise just measured, so it is
+not a bound that holds on every CPU. Asserted: the issue's cosine 0.999, argmax equal on every
+decisive image (assert_logits_agree), and accuracy within 0.3 point (3 images), which the
+regression above (4 images) fails.
 """
 
 import numpy as np
@@ -48,7 +52,9 @@ def test_se_net_deploy_matches_fake_quant(tmp_path):
 
     assert cosine(fake, ref) >= 0.9999
     assert_same_quantized_function(ref, fake, what="fake-quant vs torch")
-    # deploy vs fake-quant: cosine bound of the issue; max diff a few times the measured 2.9 %
+    # deploy vs fake-quant: cosine bound of the issue; max diff a few times the measured 3.6 %;
+    # 72-84 % of the images decisive (margin over twice the max diff), so the argmax check is not empty
     assert_logits_agree(fake, deploy, max_rel_diff=0.1, min_decisive=0.5, min_cosine=0.999,
                         what="deploy vs fake-quant")
-    assert abs(acc["deploy"] - acc["fake"]) <= 0.01, acc
+    # 0.3 point: the measured flip noise (up to 2 images) plus one; see the module docstring
+    assert abs(acc["deploy"] - acc["fake"]) <= 0.003 + 1e-9, acc

@@ -71,9 +71,10 @@ def test_structure_follows_the_readers(saved):
     for w in wrappers.values():
         assert all(bool(q.initialized) for q in w.quantizers().values())
     # conv outputs only int8 ops read: the residual Add (blocks.1) and the classifier's pool
-    # (blocks.2); blocks.0's also feeds blocks.1's expand conv, which quantizes it itself
+    # (blocks.2); blocks.0's feeds blocks.1's expand conv and its residual Add: quantized too,
+    # so the Add reads in fake-quant what QLinearAdd reads in deploy
     with_output = sorted(n for n, m in saved["model"].named_modules() if getattr(m, "out_quant", None) is not None)
-    assert with_output == ["blocks.1.project", "blocks.2.project"]
+    assert with_output == ["blocks.0.project", "blocks.1.project", "blocks.2.project"]
 
 
 def test_deploy_runs_them_in_int8(saved):
