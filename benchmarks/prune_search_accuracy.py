@@ -31,6 +31,8 @@ UNIFORM = "prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_
 
 
 def bn_adapted(model, x_tr):
+    """``model`` with its BatchNorm statistics re-estimated on 1,024 training images (no weight
+    update), in eval mode."""
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.reset_running_stats()
