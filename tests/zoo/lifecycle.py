@@ -63,10 +63,21 @@ def _batches(inputs: dict, n: int = 5) -> list[dict]:
     return [inputs, *more]
 
 
+def weight_sizes(model) -> dict[str, int]:
+    """Element count of every 2-D-or-more module weight, by module path (taken before create)."""
+    return {n: m.weight.numel() for n, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2}
+
+
+def removed_share(weights: dict[str, int], compressed) -> float:
+    """Share of the compressed layers' weight that filter pruning removed."""
+    layers = {n: m for n, m in compressed.named_modules() if isinstance(m, CompressedLayer)}
+    return 1 - sum(m.weight.numel() for m in layers.values()) / max(sum(weights[n] for n in layers), 1)
+
+
 def run(build, config: str, folder: str) -> dict:
     model, inputs = build()
-    weights = {n: m.weight.numel() for n, m in model.named_modules()
-               if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2}
+    weights = weight_sizes(model)
     cfg = os.path.join(folder, "retrain.cfg")
     with open(cfg, "w") as f:
         f.write(config)
@@ -91,12 +102,11 @@ def run(build, config: str, folder: str) -> dict:
     deploys = _ort(prefix + "_deploy_model.onnx", batches)
     fake_cos = sorted(cosine(f, t) for f, t in zip(fakes, refs))  # 5 batches
     layers = {n: m for n, m in r.named_modules() if isinstance(m, CompressedLayer)}
-    before = sum(weights[n] for n in layers)
     return {
         "quantized": sum(m.act_quant is not None for m in layers.values()),
         "sparse": sum(m.sparsity is not None for m in layers.values()),
         "pruned": sum(m.weight.numel() < weights[n] for n, m in layers.items()),
-        "removed_share": 1 - sum(m.weight.numel() for m in layers.values()) / max(before, 1),
+        "removed_share": removed_share(weights, r),
         # median and worst of 5 input batches (why: tests/zoo/test_zoo.py)
         "fake_vs_torch": fake_cos[len(fake_cos) // 2], "fake_vs_torch_min": fake_cos[0],
         "deploy_vs_fake": float(np.median([cosine(d, f) for d, f in zip(deploys, fakes)])),
