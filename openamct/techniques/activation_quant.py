@@ -26,6 +26,7 @@ each wrapped module as a ``selective_prune`` node tagged ``algorithm: activation
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass, field
 
@@ -45,7 +46,30 @@ from openamct.techniques.base import Context, ExportParts, Technique, selective_
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "activation_quant"
-KIND_OF = {"SiLU": "silu", "Sigmoid": "sigmoid"}  # module class -> QuantizedActivation kind
+# (module, name) of an activation class -> QuantizedActivation kind. Exact classes only: a
+# subclass may compute something else. Capture records torch's as one module node, and looks
+# into parameter-free classes from elsewhere: HF's SiLUActivation (MobileViT's "silu") is a
+# ``silu`` function node scoped to the module, whose whole forward it is.
+KIND_OF = {("torch.nn.modules.activation", "SiLU"): "silu",
+           ("torch.nn.modules.activation", "Sigmoid"): "sigmoid",
+           ("transformers.activations", "SiLUActivation"): "silu"}
+
+
+def _activation(model: nn.Module, graph: Graph, node) -> tuple[str, str] | None:
+    """(module path, kind) when ``node`` is the one call of an activation module we wrap."""
+    if node.kind == "module" and graph.call_of(node.name) is node:
+        path = node.name
+    elif node.kind == "function" and node.scope and node.op in ("silu", "sigmoid"):
+        path = node.scope
+    else:
+        return None
+    if len(node.inputs) != 1 or len(node.outputs) != 1:
+        return None
+    cls = type(model.get_submodule(path))  # not node.op: an earlier technique may have replaced it
+    kind = KIND_OF.get((cls.__module__, cls.__name__))
+    if kind is None or node.kind == "function" and kind != node.op:
+        return None
+    return path, kind
 # Modules that map a quantized tensor onto the same grid (zero padding: 0 is on every grid).
 PASS_MODULES = {"ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "Identity", "Dropout", "Dropout1d", "Dropout2d",
                 "Dropout3d"}
@@ -117,7 +141,8 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     count = {"layer": 0, "int8": 0, "add": 0, "other": int(graph.is_output(t)), "inplace": 0}
     for n in graph.users(t):
         count["inplace"] += int(n.inplace)
-        if n.kind == "module" and (n.name in planned or n.name in wrapped) and n.inputs and n.inputs[0] is t:
+        wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ("silu", "sigmoid")
+        if (n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t:
             count["layer"] += 1
         elif _passes(n):
             for k, v in _readers(graph, n.outputs[0], planned, model, wrapped).items():
@@ -159,20 +184,19 @@ class ActivationQuant(Technique):
 
     def plan(self, ctx: Context) -> ActState:
         planned = {lp.name for lp in self.planned(ctx.plan)}
+        found = [(node, *a) for node in ctx.graph if (a := _activation(ctx.model, ctx.graph, node)) is not None]
+        calls = collections.Counter(path for _, path, _ in found)
         ops = {}
-        for node in ctx.graph:
-            kind = KIND_OF.get(node.op) if node.kind == "module" else None
-            if kind is None or ctx.graph.call_of(node.name) is not node or len(node.inputs) != 1:
-                continue
-            if type(ctx.model.get_submodule(node.name)).__name__ != node.op:
-                continue  # e.g. replaced by an earlier technique
+        for node, path, kind in found:
+            if calls[path] > 1:
+                continue  # a module called twice sees two distributions: left float
             producer = _producer_layer(ctx.graph, node.inputs[0], planned)
             if producer is None:
                 continue
             r = _readers(ctx.graph, node.outputs[0], planned, ctx.model)
             if r["layer"] and (r["int8"] or r["other"]):
-                logger.debug("%s: read by quantized layers and other ops; its output stays float there", node.name)
-            ops[node.name] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0 and not r["inplace"])
+                logger.debug("%s: read by quantized layers and other ops; its output stays float there", path)
+            ops[path] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0 and not r["inplace"])
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
