@@ -135,7 +135,13 @@ def quantize_static(fp32: str, out: str, calib: list[torch.Tensor], overrides: d
 
     pre = fp32 + ".pre.onnx"
     if not os.path.exists(pre):
-        quant_pre_process(fp32, pre)
+        try:
+            quant_pre_process(fp32, pre)
+        except Exception as e:  # noqa: BLE001 - ORT raises a bare Exception
+            # ORT's symbolic shape inference gives up on some graphs (HF MobileViT's unfold
+            # reshapes); its ONNX shape inference and graph optimisation still run
+            print(f"quant_pre_process: {e}; retried with skip_symbolic_shape=True", flush=True)
+            quant_pre_process(fp32, pre, skip_symbolic_shape=True)
     extra = {"TensorQuantOverrides": overrides} if overrides else {}
     qs(pre, out, _Reader([b.numpy() for b in calib], "x"), quant_format=QuantFormat.QDQ,
        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True, extra_options=extra)

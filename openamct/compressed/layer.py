@@ -59,6 +59,7 @@ class CompressedLayer(WeightOp):
         self.wts_quant: nn.Module | None = None
         self.out_observer: nn.Module | None = None
         self.out_quant: nn.Module | None = None
+        self.input_on_grid = False  # LayerParts.input_on_grid
         self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
 
     # -- construction --------------------------------------------------------------------------
@@ -110,6 +111,7 @@ class CompressedLayer(WeightOp):
         if parts.observe_output:
             layer.out_observer = RangeObserver()
         layer.out_quant = parts.out_quant
+        layer.input_on_grid = bool(parts.input_on_grid)
         bn_mode = None if bn is None else bn.training
         layer.train(module.training)
         if bn is not None:  # a BN the user froze (eval mode) stays frozen inside the layer
@@ -176,7 +178,7 @@ class CompressedLayer(WeightOp):
 
     def forward(self, x: Tensor) -> Tensor:
         tap = None
-        if self.act_quant is not None:
+        if self.act_quant is not None and not self.input_on_grid:
             if self._taps_input(x):
                 with torch.no_grad():
                     xq = self.act_quant(x)

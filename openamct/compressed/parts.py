@@ -22,3 +22,5 @@ class LayerParts:
     wts_quant: nn.Module | None = None
     observe_output: bool = False  # keep an output range observer (deploy re-quantisation)
     out_quant: nn.Module | None = None  # output quantizer (activation_quant: the output feeds int8 ops)
+    # the input arrives already quantized by act_quant itself (quant/residual.py): not applied twice
+    input_on_grid: bool = False

@@ -160,6 +160,22 @@ def _dedupe(g: OnnxGraph) -> None:
                 seen[key] = n
 
 
+def _drop_requantize(g: OnnxGraph) -> int:
+    """Q(DQ(q)) with the very qparams of that DQ is q: a layer reading a tensor that an output
+    hook already put on its grid (quant/residual.py) exports its own Q/DQ once more."""
+    dropped = 0
+    for q in [n for n in g.nodes if n.op_type == "QuantizeLinear"]:
+        dq = g.producer(q.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or g.is_output(q.output[0]):
+            continue
+        p = _qparams(g, q)
+        if p is not None and p == _qparams(g, dq):
+            g.replace_uses(q.output[0], dq.input[0])
+            g.remove(q)
+            dropped += 1
+    return dropped
+
+
 def _passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
     """Ops that map grid values to grid values; a constant Pad with 0 too (0 is on every uint8
     grid: it is the zero point), e.g. HF's TF-style "same" padding before a strided conv."""
@@ -333,6 +349,7 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     g.fold_constants()
     int8_names = _quantize_weights(g)
     _bias_to_int32(g)
+    _drop_requantize(g)
     _dedupe(g)
     placed = 0
     for n in g.topological():

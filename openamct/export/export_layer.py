@@ -23,6 +23,7 @@ from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
 from openamct.module_tree import set_module
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.functions import QMAX, QMIN, to_channel_major
+from openamct.quant.residual import swap_hook_quantizers
 from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
@@ -162,9 +163,9 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
 
 
 def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) -> int:
-    """Give every QuantizedActivation of ``model`` (a working copy) the export form of its
-    quantizers, ``make(scale, offset)`` (FakeQuantAct or QDQAct); returns how many."""
+    """Give every QuantizedActivation and output hook of ``model`` (a working copy) the export
+    form of its quantizers, ``make(scale, offset)`` (FakeQuantAct or QDQAct); returns how many."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedActivation)]
     for name, m in found:
         set_module(model, name, m.with_quantizers(make).eval())
-    return len(found)
+    return len(found) + swap_hook_quantizers(model, make)

@@ -88,6 +88,9 @@ class _Builder:
         self.stack: list[str] = []
         self.pending: list[list[TensorInfo]] = []
         self.names = {m: n for n, m in model.named_modules()}
+        # tensor key -> the innermost module whose forward returned it (one tensor), and calls
+        self.module_outputs: dict[int, str] = {}
+        self.calls: dict[str, int] = {}
         self.params: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             self.params.setdefault(id(p), n)
@@ -167,6 +170,10 @@ class _Builder:
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = self.stack.pop()
+        if self.suppress == int(_is_opaque(module)):  # not inside an opaque module
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if isinstance(output, torch.Tensor) and not _is_opaque(module) and id(output) in self.by_id:
+                self.module_outputs.setdefault(self.by_id[id(output)].key, name)  # inner hooks run first
         if _is_opaque(module):
             self.suppress -= 1
             if self.suppress == 0:
@@ -174,7 +181,9 @@ class _Builder:
                 in_ids = {id(a) for a in flatten_tensors((args, kwargs))}
                 outs = flatten_tensors(output)
                 inplace = bool(outs) and all(id(t) in in_ids for t in outs)
-                self._add_node("module", name, type(module).__name__, inputs, outs, inplace=inplace)
+                node = self._add_node("module", name, type(module).__name__, inputs, outs, inplace=inplace)
+                if isinstance(output, torch.Tensor):
+                    self.module_outputs.setdefault(node.outputs[0].key, name)
 
 
 class _Recorder(TorchFunctionMode):
@@ -263,6 +272,7 @@ def capture_graph(model: nn.Module, input_data: Any) -> Graph:
         raise ValueError(f"cannot capture the graph of {type(model).__name__}: its forward returned no tensor")
     builder.add_output(outs)
     graph = Graph(builder.nodes, model)
+    graph.module_outputs = {k: n for k, n in builder.module_outputs.items() if builder.calls.get(n) == 1}
     logger.debug("captured %d nodes (%d module calls)", len(graph.nodes), sum(1 for n in graph.nodes if n.kind == "module"))
     return graph
 

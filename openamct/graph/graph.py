@@ -33,6 +33,9 @@ class Graph:
         out_nodes = [n for n in nodes if n.kind == "output"]
         self.outputs: list[TensorInfo] = out_nodes[0].inputs if out_nodes else []
         self.model_type = type(model).__name__
+        # tensor key -> the innermost module called once whose forward returned exactly that
+        # tensor (capture fills it): where a hook can quantize a tensor no layer produces
+        self.module_outputs: dict[int, str] = {}
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)

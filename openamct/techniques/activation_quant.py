@@ -39,6 +39,7 @@ from openamct.graph.node import TensorInfo
 from openamct.module_tree import set_module
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.quantizers import ActULQ
+from openamct.quant.residual import OutputQuantHook
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import AttrType, PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, ExportParts, Technique, selective_algorithm
@@ -86,6 +87,9 @@ class ActDecision:
 class ActState:
     ops: dict[str, ActDecision]
     outputs: list[str] = field(default_factory=list)  # conv layers given an output quantizer
+    # module whose output a layer and residual Adds read -> those layers (quant/residual.py)
+    residual: dict[str, list[str]] = field(default_factory=dict)
+    hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: module -> quantizer
     modules: dict[str, QuantizedActivation] = field(default_factory=dict)  # filled by apply
     stored: set[str] = field(default_factory=set)  # restore: the record's module names
 
@@ -157,6 +161,50 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     return count
 
 
+GRID_FUNCTIONS = {"flatten", "reshape", "view", "contiguous", "identity"}  # no dropout: it rescales in training
+
+
+def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str]) -> list[str] | None:
+    """The quantized layers reading ``t`` when only they and residual Adds do (through zero
+    padding and reshapes), the Adds not writing into ``t``; else None."""
+    layers, adds = [], 0
+
+    def walk(t: TensorInfo) -> bool:
+        nonlocal adds
+        if graph.is_output(t):
+            return False
+        for n in graph.users(t):
+            if n.kind == "module" and n.name in planned and n.inputs and n.inputs[0] is t:
+                layers.append(n.name)
+            elif n.kind == "function" and n.op == "add" and len(n.inputs) == 2 and not (n.inplace and n.inputs[0] is t):
+                adds += 1
+            elif _passes(n) and (n.op in GRID_FUNCTIONS or n.op in ("pad", "Identity", "ZeroPad1d", "ZeroPad2d", "ZeroPad3d")):
+                if not walk(n.outputs[0]):
+                    return False
+            else:
+                return False
+        return True
+
+    return layers if walk(t) and layers and adds else None
+
+
+def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str]) -> dict[str, list[str]]:
+    # layers (through their folded BN) and wrapped activations quantize their outputs themselves
+    own = {id(t) for name in planned if (t := _layer_output(graph, name)) is not None}
+    sites = {}
+    for node in graph:
+        if node.kind == "module" and (node.name in planned or node.name in wrapped):
+            continue
+        for t in node.outputs:
+            if id(t) in own:
+                continue
+            module = graph.module_outputs.get(t.key)
+            layers = _residual_readers(graph, t, planned) if module is not None else None
+            if layers and module not in sites:
+                sites[module] = layers
+    return sites
+
+
 def _layer_output(graph: Graph, name: str) -> TensorInfo | None:
     """The tensor a conv's output becomes after its folded BatchNorm (if any)."""
     node = graph.call_of(name)
@@ -214,7 +262,7 @@ class ActivationQuant(Technique):
             # fake-quant model does not apply to the Add (MNIST SE net: 90.9 vs 90.5 %).
             if r["int8"] and not r["other"] and not r["inplace"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
-        return ActState(ops, outputs=outputs)
+        return ActState(ops, outputs=outputs, residual=_residual_sites(ctx.graph, planned, set(ops)))
 
     def from_record(self, ctx: Context) -> ActState:
         state = self.plan(ctx)
@@ -222,7 +270,7 @@ class ActivationQuant(Technique):
         return state
 
     def check_restore(self, ctx: Context, state: ActState) -> None:
-        for name in sorted(state.stored - set(state.ops) - set(state.outputs)):
+        for name in sorted(state.stored - set(state.ops) - set(state.outputs) - set(state.residual)):
             raise ValueError(f"record_file has activation quantizers for module {name!r}, which this model and "
                              "config do not quantize (record from another model or config?)")
 
@@ -247,6 +295,16 @@ class ActivationQuant(Technique):
             aq = ActULQ(fixed_min=False, batch_num=batch_num)
             aq.layer_name = f"{name} (output)"
             ctx.parts_of(name).out_quant = aq
+        for name, layers in state.residual.items():
+            qs = {id(ctx.parts_of(n).act_quant): ctx.parts_of(n).act_quant for n in layers}
+            if len(qs) != 1 or None in qs.values():
+                logger.debug("%s: its readers %s do not share one input quantizer; output left float", name, layers)
+                continue
+            (aq,) = qs.values()
+            ctx.model.get_submodule(name).register_forward_hook(OutputQuantHook(aq))
+            for n in layers:
+                ctx.parts_of(n).input_on_grid = True
+            state.hooked[name] = aq
 
     def to_record(self, state: ActState, layers, record: ScaleOffsetRecord) -> None:
         found = [(n, w.kind, w.quantizers()) for n, w in state.modules.items()]
@@ -262,6 +320,14 @@ class ActivationQuant(Technique):
             pairs = [q.scale_offset() for q in qs.values()]
             node.attr.add(name="scale_d", type=AttrType.FLOATS, floats=[s for s, _ in pairs])
             attrs.add_ints(node, "offset_d", [o for _, o in pairs])
+        for name, aq in state.hooked.items():
+            if not bool(aq.initialized):
+                continue
+            node = record.prune_record.add().selective_prune
+            node.name = name
+            attrs.add_str(node, "algorithm", ALGORITHM)
+            attrs.add_str(node, "op", "residual")  # the quantizer is the reading layers' input one
+            node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.residual[name]])
 
 
     @torch.no_grad()

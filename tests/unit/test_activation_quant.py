@@ -12,6 +12,7 @@ import torch
 
 import openamct as amct
 from openamct.quant.activation import QuantizedActivation
+from openamct.quant.residual import output_hooks
 from openamct.record.file_io import read_record, write_record
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
@@ -111,7 +112,8 @@ def test_restore_replays_them(saved):
                if selective_algorithm(pr) == ALGORITHM]
     wrapped = [n for n, m in r.named_modules() if isinstance(m, QuantizedActivation)]
     with_output = [n for n, m in r.named_modules() if getattr(m, "out_quant", None) is not None]
-    assert sorted(e.name for e in entries) == sorted(wrapped + with_output)
+    hooked = [n for n, _ in output_hooks(r)]
+    assert sorted(e.name for e in entries) == sorted(wrapped + with_output + hooked)
 
 
 def test_restore_refuses_a_record_naming_another_module(saved, tmp_path):

@@ -41,10 +41,11 @@ def test_create_and_save_write_the_same_bytes_under_any_hash_seed(runs):
     for name in CREATED:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     text = (a / "record.txt").read_text()
-    # conv outputs with an output quantizer: the residual Add's, the pool's, and the one read by
-    # the next block's expand conv and its residual Add
+    # conv outputs with an output quantizer (the residual Add's, the pool's, and the one read by
+    # the next block's expand conv and its residual Add) and one residual block output hooked
     act = text.count('s: "activation_quant"')
-    assert text.count("selective_prune") - act == 5 and act == 3  # 2:4 masks; activation_quant
+    assert text.count("selective_prune") - act == 5 and act == 4  # 2:4 masks; activation_quant
+    assert text.count('s: "residual"') == 1
     assert "prune_record" in text and "scale_d" in text  # all four techniques
 
 
