@@ -141,8 +141,28 @@ class CompressedLayer(WeightOp):
             w = scale_out_channels(w, c, self.weight_axis, self.weight_groups)
             b = bn_bias(self.bn, b, c)
         if self.wts_quant is not None:
+            if b is not None:
+                b = self._bias_on_int32_grid(w, b)
             w = self.wts_quant(w)
         return w, b
+
+    def _bias_on_int32_grid(self, w: Tensor, b: Tensor) -> Tensor:
+        """The bias rounded to the int32 grid (input scale x weight scale, float32) on which the
+        deploy model's QLinearConv / QGemm adds it (export/deploy.py, ``_bias_to_int32``).
+        Left float, this rounding was the deploy model's one departure from fake-quant: on an
+        MNIST SE net, 6 of 1000 argmaxes and 0.2 point of accuracy. Straight-through gradient."""
+        aq = self.act_quant
+        if aq is None or not isinstance(aq, ActULQ) or not bool(aq.initialized) or \
+                (self.weight_axis == 1 and self.weight_groups > 1):  # grouped ConvTranspose: weight kept float
+            return b
+        with torch.no_grad():
+            sx = torch.tensor(aq.scale_offset()[0], dtype=torch.float32)
+            scale = sx * self.wts_quant.scales(w.detach()).float().reshape(-1)
+            q = torch.round(b.detach().float() / scale)
+            if not bool(torch.all(q.abs() < 2**31 - 1)):
+                return b
+            rounded = (q * scale).to(b.dtype)
+        return b + (rounded - b).detach()
 
     def _folded_weight(self, masked: bool = True, step: bool = True) -> Tensor:
         """BN-folded weight (see ``_masked`` for ``step``)."""

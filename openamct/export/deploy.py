@@ -40,6 +40,7 @@ import onnx
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
+from openamct.export.covering_pool import fold_pools
 from openamct.export.export_layer import (
     QDQAct,
     WeightQDQ,
@@ -83,6 +84,7 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
 
     found = fold_layers(model, build, techniques)
     fold_activations(model, QDQAct)
+    fold_pools(model)
     return {f"{n}.weight": p.output_range for n, p in found.items()
             if p.output_range is not None and p.input_quant is not None}
 

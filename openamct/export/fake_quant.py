@@ -26,6 +26,7 @@ import numpy as np
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
+from openamct.export.covering_pool import fold_pools
 from openamct.export.export_layer import fold_activations, fold_layers
 from openamct.quant.functions import QMAX, QMIN
 from openamct.techniques.base import ExportParts, Technique
@@ -66,10 +67,12 @@ def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique]) -> nn.Mod
     """Turn a working copy of a compressed model into its fake-quant export model (in place)."""
     fold_layers(model, _fake_layer, techniques)
     fold_activations(model, FakeQuantAct)
+    fold_pools(model)
     return model
 
 
 def fold_plain(model: nn.Module, techniques: Sequence[Technique]) -> nn.Module:
     """Prune-only models: plain float layers with masks/pruning folded into the weights."""
     fold_layers(model, _plain_layer, techniques)
+    fold_pools(model)
     return model

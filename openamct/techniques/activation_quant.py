@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from openamct.config.specs import LayerPlan, Plan
+from openamct.export.covering_pool import covers_input
 from openamct.graph.graph import Graph
 from openamct.graph.node import TensorInfo
 from openamct.module_tree import set_module
@@ -129,9 +130,11 @@ def _passes(n) -> bool:
 
 def _int8_reader(model: nn.Module, n) -> bool:
     if n.kind == "module" and n.op in INT8_MODULES:
-        # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input (HF
-        # EfficientNet's pooler: logits 12x too small); such a pool must read float
-        return not getattr(model.get_submodule(n.name), "ceil_mode", False)
+        # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input, so
+        # such a pool reads float, unless its window covers the input (HF EfficientNet's
+        # pooler): it is then exported as a GlobalAveragePool (export/covering_pool.py)
+        pool = model.get_submodule(n.name)
+        return not getattr(pool, "ceil_mode", False) or bool(n.inputs) and covers_input(pool, n.inputs[0].shape)
     # an in-place op (HF ResNet's ``hidden += residual``) would overwrite the quantizer's output,
     # which its backward needs
     return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.inplace and not n.kwargs.get("ceil_mode", False)

@@ -21,6 +21,14 @@ def ort_run(path, x):
     return sess.run(None, {sess.get_inputs()[0].name: np.ascontiguousarray(x.numpy())})[0]
 
 
+def openvino_run(path, x):
+    """The file in OpenVINO's CPU plugin; f32 so that no CPU runs its float ops in bf16."""
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": "f32"})
+    return compiled(np.ascontiguousarray(x.numpy()))[compiled.outputs[0]]
+
+
 def int8_initializers(path):
     model = onnx.load(path)
     return [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8]

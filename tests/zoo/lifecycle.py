@@ -55,6 +55,16 @@ def _ort(path: str, batches: list[dict]) -> list[np.ndarray]:
     return [sess.run(None, {n: b[n].numpy() for n in names})[0] for b in batches]
 
 
+def _openvino(path: str, batches: list[dict]) -> list[np.ndarray]:
+    """The same file in OpenVINO (issue 14: users on Intel CPUs run our deploy files there)."""
+    import openvino as ov
+
+    # f32: on CPUs with AMX/AVX512-BF16 OpenVINO would otherwise run the float ops in bf16
+    compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    names = [next(n for n in i.get_names() if n in batches[0]) for i in compiled.inputs]
+    return [compiled({n: b[n].numpy() for n in names})[compiled.outputs[0]] for b in batches]
+
+
 def _batches(inputs: dict, n: int = 5) -> list[dict]:
     """The example inputs and n - 1 more like them (floats redrawn, token ids kept)."""
     g = torch.Generator().manual_seed(123)
@@ -100,6 +110,7 @@ def run(build, config: str, folder: str) -> dict:
         refs = [first_tensor(r(**b)).numpy() for b in batches]
     fakes = _ort(prefix + "_fake_quant_model.onnx", batches)
     deploys = _ort(prefix + "_deploy_model.onnx", batches)
+    openvino = _openvino(prefix + "_deploy_model.onnx", batches)
     fake_cos = sorted(cosine(f, t) for f, t in zip(fakes, refs))  # 5 batches
     layers = {n: m for n, m in r.named_modules() if isinstance(m, CompressedLayer)}
     return {
@@ -110,4 +121,5 @@ def run(build, config: str, folder: str) -> dict:
         # median and worst of 5 input batches (why: tests/zoo/test_zoo.py)
         "fake_vs_torch": fake_cos[len(fake_cos) // 2], "fake_vs_torch_min": fake_cos[0],
         "deploy_vs_fake": float(np.median([cosine(d, f) for d, f in zip(deploys, fakes)])),
+        "openvino_vs_fake": float(np.median([cosine(v, f) for v, f in zip(openvino, fakes)])),
     }

@@ -12,10 +12,13 @@ of the next quantizer: that element moves a whole quantization step, and a deep 
 wrong scale, an unfolded BN) is wrong on every input. So the test takes 5 input batches and
 asserts the median cosine >= 0.999 and the worst >= 0.99: a real regression fails both, a
 rare flip on one batch fails neither, on any CPU. deploy vs fake-quant is reported, not
-bounded: on random-weight deep CNNs the deploy graph's own integer rounding amplifies (see
-docs/limits.md), which issue 14 addresses.
+bounded: on random-weight deep CNNs (MobileNetV1/V2, MobileViT) the int32 bias rounding and the
+integer kernels' rounding amplify, through layers that quantize on a midpoint, into cosines of
+0.85-0.99 (docs/limits.md). The same deploy file runs in OpenVINO (issue 14); where ORT's run
+agrees with fake-quant (cosine >= 0.999: measured OpenVINO >= 0.9983 there), OpenVINO must too.
 """
 
+import numpy as np
 import pytest
 
 from tests.zoo.families import FAMILIES, build
@@ -42,5 +45,9 @@ def test_zoo_lifecycle(tmp_path, family, config):
     if config.startswith("2:4"):
         assert r["sparse"] > 0
     assert r["fake_vs_torch"] >= 0.999 and r["fake_vs_torch_min"] >= 0.99, r
+    # OpenVINO loads and runs every deploy file; where ORT's run reproduces fake-quant, so does it
+    assert np.isfinite(r["openvino_vs_fake"]), r
+    if r["deploy_vs_fake"] >= 0.999:
+        assert r["openvino_vs_fake"] >= 0.995, r
     if config.startswith("filter") and family in PRUNE_REACHES:
         assert r["removed_share"] >= 0.25, r
