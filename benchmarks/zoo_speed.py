@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import openamct as amct  # noqa: E402
 from benchmarks.deploy_speed import QUANT_CFG, export_fp32, quantize_static  # noqa: E402
+from benchmarks.openvino_session import OpenVINOSession  # noqa: E402
 from openamct.export.ort_session import latency_ms, session  # noqa: E402
 from tests.zoo.families import reinitialise  # noqa: E402
 
@@ -128,7 +129,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def row(name: str, small: bool, runs: int, folder: str) -> None:
+def row(name: str, small: bool, runs: int, folder: str, openvino: bool) -> None:
     model, shape = build(name, small)
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(shape, generator=g) for _ in range(CALIB)]
@@ -138,14 +139,23 @@ def row(name: str, small: bool, runs: int, folder: str) -> None:
     paths["openamct"], fake = openamct_files(model, calib, folder, name)
     x = torch.randn(shape, generator=g).numpy()
     sessions = {k: session(p) for k, p in paths.items()}
+    if openvino:
+        sessions["openvino fp32"] = OpenVINOSession(fp32)
+        sessions["openvino openamct"] = OpenVINOSession(paths["openamct"])
     t = latency_ms(sessions, x, runs=runs, min_s=2.0)
     base = t["fp32"]
     line = f"{name:12s} {'x'.join(map(str, shape[2:]))} " + " | ".join(
-        f"{k} {v:7.2f} ms ({base / v:4.2f}x)" for k, v in t.items())
+        f"{k} {v:7.2f} ms ({base / v:4.2f}x)" for k, v in t.items() if not k.startswith("openvino"))
     print(line + f" | openamct/quantize_static {t['openamct'] / t['quantize_static']:.3f}", flush=True)
     y_fake = session(fake).run(None, {"x": x})[0]
     y_dep = sessions["openamct"].run(None, {"x": x})[0]
     print(f"{'':12s} deploy vs fake-quant cosine {cosine(y_dep, y_fake):.5f}", flush=True)
+    if openvino:
+        ov_base = t["openvino fp32"]
+        y_ov = sessions["openvino openamct"].run(None, {"x": x})[0]
+        print(f"{'':12s} OpenVINO: fp32 {ov_base:7.2f} ms | openamct deploy {t['openvino openamct']:7.2f} ms "
+              f"({ov_base / t['openvino openamct']:4.2f}x its fp32; ORT deploy {base / t['openamct']:4.2f}x ORT fp32) | "
+              f"deploy vs fake-quant cosine {cosine(y_ov, y_fake):.5f}", flush=True)
     print(f"{'':12s} float ops in ORT's graph: openamct: {float_ops(paths['openamct'])}", flush=True)
     print(f"{'':12s}                        quantize_static: {float_ops(paths['quantize_static'])}", flush=True)
 
@@ -156,6 +166,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="reduced width/depth at 112x112 (shared machines)")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--keep", default=None, help="folder to keep the ONNX files in")
+    p.add_argument("--no-openvino", action="store_true", help="skip the OpenVINO runs of the fp32 and deploy files")
     args = p.parse_args()
     unknown = set(args.only.split(",")) - set(MODELS)
     if unknown:
@@ -167,7 +178,7 @@ def main() -> None:
         folder = args.keep or tmp
         os.makedirs(folder, exist_ok=True)
         for name in args.only.split(","):
-            row(name, args.small, args.runs, folder)
+            row(name, args.small, args.runs, folder, not args.no_openvino)
 
 
 if __name__ == "__main__":

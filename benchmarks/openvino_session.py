@@ -1,0 +1,35 @@
+"""OpenVINO's CPU plugin behind the two calls ``openamct.export.ort_session.latency_ms`` makes of
+an ONNX Runtime session (``get_inputs()[i].name``, ``run(None, feeds)``), so a benchmark times
+ORT and OpenVINO in the same interleaved rounds (issue 14: users on Intel CPUs pick OpenVINO).
+
+f32 inference precision: on CPUs with AMX or AVX512-BF16 OpenVINO otherwise runs the float ops
+of a model in bf16, another function than the one the fake-quant file defines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class _Input:
+    name: str
+
+
+class OpenVINOSession:
+    def __init__(self, path: str, threads: int = 2) -> None:
+        import openvino as ov
+
+        self.compiled = ov.Core().compile_model(path, "CPU", {
+            "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"})
+        self.request = self.compiled.create_infer_request()
+        self._inputs = [_Input(sorted(i.get_names())[0]) for i in self.compiled.inputs]
+
+    def get_inputs(self) -> list[_Input]:
+        return self._inputs
+
+    def run(self, _outputs, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        out = self.request.infer(feeds)
+        return [out[o] for o in self.compiled.outputs]
