@@ -139,10 +139,19 @@ def row(name: str, small: bool, runs: int, folder: str, openvino: bool) -> None:
     paths["openamct"], fake = openamct_files(model, calib, folder, name)
     x = torch.randn(shape, generator=g).numpy()
     sessions = {k: session(p) for k, p in paths.items()}
-    if openvino:
-        sessions["openvino fp32"] = OpenVINOSession(fp32)
-        sessions["openvino openamct"] = OpenVINOSession(paths["openamct"])
     t = latency_ms(sessions, x, runs=runs, min_s=2.0)
+    if openvino:
+        # Timed apart from ORT: OpenVINO's worker threads stay busy a while after a call, and
+        # slowed whichever ORT session came next in the interleaved rounds (openamct's: 1.29x
+        # quantize_static that way, 0.99-1.01x on the same files alone)
+        ov_sessions = {}
+        try:
+            ov_sessions["openvino fp32"] = OpenVINOSession(fp32)
+        except RuntimeError as e:  # HF EfficientNet's pooler: a kernel larger than its input
+            print(f"{'':12s} OpenVINO cannot load the FP32 export: {str(e).splitlines()[-1][:120]}", flush=True)
+        ov_sessions["openvino openamct"] = OpenVINOSession(paths["openamct"])
+        t.update(latency_ms(ov_sessions, x, runs=runs, min_s=2.0))
+        sessions.update(ov_sessions)
     base = t["fp32"]
     line = f"{name:12s} {'x'.join(map(str, shape[2:]))} " + " | ".join(
         f"{k} {v:7.2f} ms ({base / v:4.2f}x)" for k, v in t.items() if not k.startswith("openvino"))
@@ -151,11 +160,13 @@ def row(name: str, small: bool, runs: int, folder: str, openvino: bool) -> None:
     y_dep = sessions["openamct"].run(None, {"x": x})[0]
     print(f"{'':12s} deploy vs fake-quant cosine {cosine(y_dep, y_fake):.5f}", flush=True)
     if openvino:
-        ov_base = t["openvino fp32"]
+        ov = t["openvino openamct"]
         y_ov = sessions["openvino openamct"].run(None, {"x": x})[0]
-        print(f"{'':12s} OpenVINO: fp32 {ov_base:7.2f} ms | openamct deploy {t['openvino openamct']:7.2f} ms "
-              f"({ov_base / t['openvino openamct']:4.2f}x its fp32; ORT deploy {base / t['openamct']:4.2f}x ORT fp32) | "
-              f"deploy vs fake-quant cosine {cosine(y_ov, y_fake):.5f}", flush=True)
+        ov_base = t.get("openvino fp32")
+        versus = f"{ov_base:7.2f} ms, deploy {ov_base / ov:4.2f}x faster" if ov_base else "(not loadable)"
+        print(f"{'':12s} OpenVINO: fp32 {versus} | openamct deploy {ov:7.2f} ms ({base / ov:4.2f}x ORT fp32; "
+              f"ORT deploy {base / t['openamct']:4.2f}x) | deploy vs fake-quant cosine {cosine(y_ov, y_fake):.5f}",
+              flush=True)
     print(f"{'':12s} float ops in ORT's graph: openamct: {float_ops(paths['openamct'])}", flush=True)
     print(f"{'':12s}                        quantize_static: {float_ops(paths['quantize_static'])}", flush=True)
 

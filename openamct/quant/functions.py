@@ -119,13 +119,15 @@ class ULQActFunction(Function):
                 qparams: tuple[float, int, float, float]) -> Tensor:
         s, zp = qparams[0], qparams[1]
         y = fake_quant_per_tensor(x, s, zp)
-        ctx.save_for_backward(x, y)
+        # Only x is kept: y is recomputed in backward, so code after the quantizer may modify its
+        # output in place (HF ResNet's ``hidden_state += residual`` on a quantized conv output).
+        ctx.save_for_backward(x)
         ctx.consts = (qparams, bool(fixed_min), clip_max.dtype)
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        x, y = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         (s, zp, cmax, cmin), fixed_min, pdtype = ctx.consts
         y_lo, y_hi = _f32((QMIN - zp) * s), _f32((QMAX - zp) * s)
         below = float(np.nextafter(np.float32(y_lo), np.float32(-np.inf)))
@@ -136,6 +138,7 @@ class ULQActFunction(Function):
         grad_max = grad_min = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g_up = htb(g, x, y_hi, math.inf).sum().item()
+            y = fake_quant_per_tensor(x, s, zp)
             s_in = torch.dot((y - x).reshape(-1), gx.reshape(-1)).item() / (LEVELS * s)
             e_up = (round(cmax / s) - cmax / s) / LEVELS
             e_lo = (round(cmin / s) - cmin / s) / LEVELS

@@ -135,9 +135,9 @@ def _int8_reader(model: nn.Module, n) -> bool:
         # pooler): it is then exported as a GlobalAveragePool (export/covering_pool.py)
         pool = model.get_submodule(n.name)
         return not getattr(pool, "ceil_mode", False) or bool(n.inputs) and covers_input(pool, n.inputs[0].shape)
-    # an in-place op (HF ResNet's ``hidden += residual``) would overwrite the quantizer's output,
-    # which its backward needs
-    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.inplace and not n.kwargs.get("ceil_mode", False)
+    # in-place ones too (HF ResNet's ``hidden += residual``): the quantizers' backward keeps only
+    # their input (quant/functions.py ULQActFunction), so their output may be written over
+    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.kwargs.get("ceil_mode", False)
 
 
 def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
@@ -145,9 +145,8 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     """Who reads ``t``, through ops that keep a quantized tensor on its grid: quantized layers
     and wrapped activations ("layer", they quantize it themselves), ops ORT runs in int8
     ("int8"), anything else or a graph output ("other")."""
-    count = {"layer": 0, "int8": 0, "add": 0, "other": int(graph.is_output(t)), "inplace": 0}
+    count = {"layer": 0, "int8": 0, "add": 0, "other": int(graph.is_output(t))}
     for n in graph.users(t):
-        count["inplace"] += int(n.inplace)
         wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ("silu", "sigmoid")
         if (n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t:
             count["layer"] += 1
@@ -247,7 +246,7 @@ class ActivationQuant(Technique):
             r = _readers(ctx.graph, node.outputs[0], planned, ctx.model)
             if r["layer"] and (r["int8"] or r["other"]):
                 logger.debug("%s: read by quantized layers and other ops; its output stays float there", path)
-            ops[path] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0 and not r["inplace"])
+            ops[path] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0)
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
@@ -263,7 +262,7 @@ class ActivationQuant(Technique):
             # deploy model's QLinearAdd needs this tensor quantized, and without a quantizer of
             # its own the deploy writer would use the next layer's input quantizer, which the
             # fake-quant model does not apply to the Add (MNIST SE net: 90.9 vs 90.5 %).
-            if r["int8"] and not r["other"] and not r["inplace"] and (not r["layer"] or r["add"] == r["int8"]):
+            if r["int8"] and not r["other"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
         return ActState(ops, outputs=outputs, residual=_residual_sites(ctx.graph, planned, set(ops)))
 
