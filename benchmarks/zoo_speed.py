@@ -129,7 +129,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def row(name: str, small: bool, runs: int, folder: str, openvino: bool) -> None:
+def row(name: str, small: bool, runs: int, folder: str, openvino: bool, repeat: int) -> None:
     model, shape = build(name, small)
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(shape, generator=g) for _ in range(CALIB)]
@@ -138,8 +138,14 @@ def row(name: str, small: bool, runs: int, folder: str, openvino: bool) -> None:
     paths = {"fp32": fp32, "quantize_static": quantize_static(fp32, os.path.join(folder, f"{name}_qs.onnx"), calib)}
     paths["openamct"], fake = openamct_files(model, calib, folder, name)
     x = torch.randn(shape, generator=g).numpy()
-    sessions = {k: session(p) for k, p in paths.items()}
-    t = latency_ms(sessions, x, runs=runs, min_s=2.0)
+    # Repeats with fresh sessions: on this VM the same two files swing 0.98-1.10x from one
+    # interleaved measurement to the next; the median over repeats is what is printed
+    reps = []
+    for _ in range(repeat):
+        sessions = {k: session(p) for k, p in paths.items()}
+        reps.append(latency_ms(sessions, x, runs=runs, min_s=2.0))
+    t = {k: float(np.median([r[k] for r in reps])) for k in reps[0]}
+    ratios = sorted(r["openamct"] / r["quantize_static"] for r in reps)  # paired within a repeat
     if openvino:
         # Timed apart from ORT: OpenVINO's worker threads stay busy a while after a call, and
         # slowed whichever ORT session came next in the interleaved rounds (openamct's: 1.29x
@@ -155,7 +161,8 @@ def row(name: str, small: bool, runs: int, folder: str, openvino: bool) -> None:
     base = t["fp32"]
     line = f"{name:12s} {'x'.join(map(str, shape[2:]))} " + " | ".join(
         f"{k} {v:7.2f} ms ({base / v:4.2f}x)" for k, v in t.items() if not k.startswith("openvino"))
-    print(line + f" | openamct/quantize_static {t['openamct'] / t['quantize_static']:.3f}", flush=True)
+    print(line + f" | openamct/quantize_static {float(np.median(ratios)):.3f} (median of "
+          f"{', '.join(f'{v:.3f}' for v in ratios)})", flush=True)
     y_fake = session(fake).run(None, {"x": x})[0]
     y_dep = sessions["openamct"].run(None, {"x": x})[0]
     print(f"{'':12s} deploy vs fake-quant cosine {cosine(y_dep, y_fake):.5f}", flush=True)
@@ -176,6 +183,7 @@ def main() -> None:
     p.add_argument("--only", default=",".join(MODELS))
     p.add_argument("--small", action="store_true", help="reduced width/depth at 112x112 (shared machines)")
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=5, help="interleaved measurements, each with fresh sessions; medians")
     p.add_argument("--keep", default=None, help="folder to keep the ONNX files in")
     p.add_argument("--no-openvino", action="store_true", help="skip the OpenVINO runs of the fp32 and deploy files")
     args = p.parse_args()
@@ -189,7 +197,7 @@ def main() -> None:
         folder = args.keep or tmp
         os.makedirs(folder, exist_ok=True)
         for name in args.only.split(","):
-            row(name, args.small, args.runs, folder, not args.no_openvino)
+            row(name, args.small, args.runs, folder, not args.no_openvino, args.repeat)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ only when no quantized layer reads it (those quantize it themselves; two quantiz
 would round twice) and an op ORT runs in int8 does, looking through constant-zero padding and
 Dropout/Identity/Flatten/Reshape.
 
-A quantized conv whose output (after its folded BN) only such ops read (a residual Add, the
-average pool before a classifier, concat), or only quantized layers and residual Adds, gets an
-output quantizer (``LayerParts.out_quant``) for the same reason. Outputs that pass a ReLU are left to the deploy writer as before.
+A quantized conv whose output (after its folded BN) only such ops read (a residual Add, also an
+in-place one, the average pool before a classifier, concat), or only quantized layers and
+residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same reason. A tensor
+no layer produces that a quantized layer and residual Adds read (a block's output, a ReLU
+module's) gets that layer's own input quantizer through a forward hook on the module returning
+it (``quant/residual.py``). Other outputs that pass a ReLU are left to the deploy writer.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
