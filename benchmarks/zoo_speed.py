@@ -9,21 +9,25 @@ QAT config through the public API, clips initialised on those 8 batches in train
 threads, interleaved rounds, median). The script also prints the deploy file's cosine to the
 fake-quant file on one input, and the float ops left in ORT's optimised deploy graph.
 
-Measured here (2 cores shared with other jobs, so single figures are noisy; ratios are from
-interleaved runs in one process), 224x224 batch 1, openamct/quantize_static latency:
+Measured here (AMD EPYC, 2 cores, ORT 1.32, OpenVINO 2026.4; a quiet machine, yet the same two
+files swing 0.97-1.10x between measurements, hence 5 repeats), 224x224 batch 1,
+openamct/quantize_static latency, median of the 5 paired ratios:
   before issue 14: EfficientNet-B0 1.209, RegNet 1.019, MobileNetV2 1.849, ResNet-50 0.951
-  after:           EfficientNet-B0 0.836, RegNet 0.980, MobileNetV2 1.035, ResNet-50 1.000
-EfficientNet-B0 deploy vs fake-quant cosine 0.989 -> 0.999 (random weights); its ORT graph went
-from 65 float Sigmoid + 65 float Mul + 16 float GlobalAveragePool to one float Mul and the pooler.
-MobileNetV2's 9 residual Adds, whose block output the next expand conv (through its TF pad) and
-the next Add read, now run as QLinearAdd: openamct/quantize_static 1.060 -> 0.967, deploy vs
-fake-quant cosine 0.878 -> 0.992 (the two runs side by side on the loaded 2-core machine).
+  now:             ResNet-50 0.994, MobileNetV2 0.992, EfficientNet-B0 0.848, RegNet 0.993,
+                   ConvNeXt-T 0.801, MobileViT-S 0.833 (FP32 speed-ups 3.01x, 1.76x, 1.26x, 2.46x,
+                   2.13x, 1.22x; quantize_static's 3.02x, 1.71x, 1.10x, 2.44x, 1.72x, 1.01x)
+ResNet-50, MobileNetV2 and RegNet give ORT the same optimised graph as quantize_static (RegNet:
+115 QLinearConv, 22 QLinearSigmoid / QLinearMul / QLinearAdd, 23 QLinearGlobalAveragePool):
+ties. deploy vs fake-quant cosine (random weights): 0.99973, 0.99671, 0.99983, 0.99999, 0.99998,
+0.99093. OpenVINO runs the same deploy files 3.40x, 2.18x, -, 2.76x, 2.06x and 1.45x faster than
+its FP32 (HF EfficientNet's own FP32 export does not load there: its pooler's kernel exceeds its
+input; openamct writes that pool as GlobalAveragePool).
 
 ``--small``: reduced width and depth at 112x112, for a shared 2-core machine where the default
 sizes at 224x224 take minutes per model. Say which one a figure comes from.
 
 Usage: PYTHONPATH=. python benchmarks/zoo_speed.py [--only efficientnet,regnet] [--small]
-       [--runs 20] [--keep DIR]
+       [--runs 20] [--repeat 5] [--no-openvino] [--keep DIR]       (about 10 min here)
 """
 
 from __future__ import annotations
