@@ -39,6 +39,7 @@ Usage: python benchmarks/deploy_speed.py [--runs 30] [--only resnet18,resnet18_b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -135,13 +136,16 @@ def quantize_static(fp32: str, out: str, calib: list[torch.Tensor], overrides: d
 
     pre = fp32 + ".pre.onnx"
     if not os.path.exists(pre):
-        try:
-            quant_pre_process(fp32, pre)
-        except Exception as e:  # noqa: BLE001 - ORT raises a bare Exception
-            # ORT's symbolic shape inference gives up on some graphs (HF MobileViT's unfold
-            # reshapes); its ONNX shape inference and graph optimisation still run
-            print(f"quant_pre_process: {e}; retried with skip_symbolic_shape=True", flush=True)
-            quant_pre_process(fp32, pre, skip_symbolic_shape=True)
+        # in the model's folder: a failed symbolic shape inference leaves onnx's <uuid>.data
+        # external-data files in the working directory
+        with contextlib.chdir(os.path.dirname(os.path.abspath(pre))):
+            try:
+                quant_pre_process(fp32, pre)
+            except Exception as e:  # noqa: BLE001 - ORT raises a bare Exception
+                # ORT's symbolic shape inference gives up on some graphs (HF MobileViT's unfold
+                # reshapes); its ONNX shape inference and graph optimisation still run
+                print(f"quant_pre_process: {e}; retried with skip_symbolic_shape=True", flush=True)
+                quant_pre_process(fp32, pre, skip_symbolic_shape=True)
     extra = {"TensorQuantOverrides": overrides} if overrides else {}
     qs(pre, out, _Reader([b.numpy() for b in calib], "x"), quant_format=QuantFormat.QDQ,
        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True, extra_options=extra)
