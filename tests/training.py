@@ -17,3 +17,17 @@ def sgd_steps(model, inputs, steps=3, lr=0.01, momentum=0.0):
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def checkpoint_and_save(model, folder, x, record_file):
+    """Eval outputs on ``x``, a checkpoint ``ckpt.pth`` and the two ONNX files ``m_*`` in
+    ``folder`` (a pathlib.Path): what restore and export tests compare against."""
+    model.eval()
+    with torch.no_grad():
+        ref = model(x).numpy()
+    ckpt = str(folder / "ckpt.pth")
+    torch.save({"state_dict": model.state_dict()}, ckpt)
+    import openamct as amct
+
+    amct.save_compressed_retrain_model(model, record_file, str(folder / "m"), x, input_names=["x"])
+    return ref, ckpt

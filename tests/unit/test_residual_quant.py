@@ -18,6 +18,7 @@ from openamct.techniques import activation_quant
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
 from tests.numerics import assert_same_quantized_function
+from tests.training import checkpoint_and_save
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -68,12 +69,7 @@ def _lifecycle(d, x):
     c.train()
     with torch.no_grad():
         c(x)  # clips from this batch
-    c.eval()
-    with torch.no_grad():
-        ref = c(x).numpy()
-    ckpt = str(d / "ckpt.pth")
-    torch.save({"state_dict": c.state_dict()}, ckpt)
-    amct.save_compressed_retrain_model(c, rec, str(d / "m"), x, input_names=["x"])
+    ref, ckpt = checkpoint_and_save(c, d, x, rec)
     return {"c": c, "dir": d, "cfg": cfg, "rec": rec, "ckpt": ckpt, "ref": ref}
 
 
