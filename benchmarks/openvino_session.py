@@ -2,8 +2,7 @@
 an ONNX Runtime session (``get_inputs()[i].name``, ``run(None, feeds)``), so a benchmark times
 ORT and OpenVINO in the same interleaved rounds (issue 14: users on Intel CPUs pick OpenVINO).
 
-f32 inference precision: on CPUs with AMX or AVX512-BF16 OpenVINO otherwise runs the float ops
-of a model in bf16, another function than the one the fake-quant file defines.
+Compiled as the tests compile it (tests/runtimes.py: f32 inference precision).
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from tests.runtimes import openvino_compile
 
 
 @dataclass
@@ -20,10 +21,7 @@ class _Input:
 
 class OpenVINOSession:
     def __init__(self, path: str, threads: int = 2) -> None:
-        import openvino as ov
-
-        self.compiled = ov.Core().compile_model(path, "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"})
+        self.compiled = openvino_compile(path, threads, PERFORMANCE_HINT="LATENCY")
         self.request = self.compiled.create_infer_request()
         self._inputs = [_Input(sorted(i.get_names())[0]) for i in self.compiled.inputs]
 

@@ -150,9 +150,11 @@ class CompressedLayer(WeightOp):
         """The bias rounded to the int32 grid (input scale x weight scale, float32) on which the
         deploy model's QLinearConv / QGemm adds it (export/deploy.py, ``_bias_to_int32``).
         Left float, this rounding was the deploy model's one departure from fake-quant: on an
-        MNIST SE net, 6 of 1000 argmaxes and 0.2 point of accuracy. Straight-through gradient."""
+        MNIST SE net, 6 of 1000 argmaxes and 0.2 point of accuracy. Straight-through gradient.
+        Eval only: in a training step it would cost every layer a second weight reduction and a
+        host sync (``scale_offset``) for a change of at most half an int32 step."""
         aq = self.act_quant
-        if aq is None or not isinstance(aq, ActULQ) or not bool(aq.initialized) or \
+        if self.training or aq is None or not isinstance(aq, ActULQ) or not bool(aq.initialized) or \
                 (self.weight_axis == 1 and self.weight_groups > 1):  # grouped ConvTranspose: weight kept float
             return b
         with torch.no_grad():

@@ -351,7 +351,7 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     g.fold_constants()
     int8_names = _quantize_weights(g)
     _bias_to_int32(g)
-    _drop_requantize(g)
+    requantized = _drop_requantize(g)
     _dedupe(g)
     placed = 0
     for n in g.topological():
@@ -372,6 +372,6 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
     pads = _fuse_pads(g)
     g.finish()
-    logger.debug("deploy post-pass: %d zero pads fused into convs", pads)
+    logger.debug("deploy post-pass: %d zero pads fused into convs, %d Q(DQ) pairs dropped", pads, requantized)
     logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", len(int8_names), placed)
     return model

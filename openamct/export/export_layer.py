@@ -169,4 +169,3 @@ def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) 
     for name, m in found:
         set_module(model, name, m.with_quantizers(make).eval())
     return len(found) + swap_hook_quantizers(model, make)
-

@@ -170,11 +170,12 @@ class _Builder:
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = self.stack.pop()
-        if self.suppress == int(_is_opaque(module)):  # not inside an opaque module
+        opaque = _is_opaque(module)
+        if self.suppress == int(opaque):  # not inside an opaque module
             self.calls[name] = self.calls.get(name, 0) + 1
-            if isinstance(output, torch.Tensor) and not _is_opaque(module) and id(output) in self.by_id:
+            if isinstance(output, torch.Tensor) and not opaque and id(output) in self.by_id:
                 self.module_outputs.setdefault(self.by_id[id(output)].key, name)  # inner hooks run first
-        if _is_opaque(module):
+        if opaque:
             self.suppress -= 1
             if self.suppress == 0:
                 inputs = self.pending.pop()

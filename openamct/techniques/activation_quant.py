@@ -58,13 +58,14 @@ ALGORITHM = "activation_quant"
 KIND_OF = {("torch.nn.modules.activation", "SiLU"): "silu",
            ("torch.nn.modules.activation", "Sigmoid"): "sigmoid",
            ("transformers.activations", "SiLUActivation"): "silu"}
+ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes such a class's forward is
 
 
 def _activation(model: nn.Module, graph: Graph, node) -> tuple[str, str] | None:
     """(module path, kind) when ``node`` is the one call of an activation module we wrap."""
     if node.kind == "module" and graph.call_of(node.name) is node:
         path = node.name
-    elif node.kind == "function" and node.scope and node.op in ("silu", "sigmoid"):
+    elif node.kind == "function" and node.scope and node.op in ACTIVATION_FUNCTIONS:
         path = node.scope
     else:
         return None
@@ -75,6 +76,8 @@ def _activation(model: nn.Module, graph: Graph, node) -> tuple[str, str] | None:
     if kind is None or node.kind == "function" and kind != node.op:
         return None
     return path, kind
+
+
 # Modules that map a quantized tensor onto the same grid (zero padding: 0 is on every grid).
 PASS_MODULES = {"ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "Identity", "Dropout", "Dropout1d", "Dropout2d",
                 "Dropout3d"}
@@ -150,7 +153,7 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     ("int8"), anything else or a graph output ("other")."""
     count = {"layer": 0, "int8": 0, "add": 0, "other": int(graph.is_output(t))}
     for n in graph.users(t):
-        wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ("silu", "sigmoid")
+        wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ACTIVATION_FUNCTIONS
         if (n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t:
             count["layer"] += 1
         elif _passes(n):
@@ -164,9 +167,6 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
         else:
             count["other"] += 1
     return count
-
-
-GRID_FUNCTIONS = {"flatten", "reshape", "view", "contiguous", "identity"}  # no dropout: it rescales in training
 
 
 def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[str]) -> list[str] | None:
@@ -189,7 +189,7 @@ def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set
                 if _producer_layer(graph, other, convs) is None:
                     return False
                 adds += 1
-            elif _passes(n) and (n.op in GRID_FUNCTIONS or n.op in ("pad", "Identity", "ZeroPad1d", "ZeroPad2d", "ZeroPad3d")):
+            elif _passes(n) and not n.op.lower().startswith("dropout"):  # dropout rescales in training
                 if not walk(n.outputs[0]):
                     return False
             else:
@@ -226,6 +226,15 @@ def _layer_output(graph: Graph, name: str) -> TensorInfo | None:
         return node.outputs[0]
     call = graph.call_of(bn)
     return call.outputs[0] if call is not None and len(call.outputs) == 1 else None
+
+
+def _entry(record: ScaleOffsetRecord, name: str, op: str):
+    """A new ``selective_prune`` node of this technique for module ``name``."""
+    node = record.prune_record.add().selective_prune
+    node.name = name
+    attrs.add_str(node, "algorithm", ALGORITHM)
+    attrs.add_str(node, "op", op)
+    return node
 
 
 def _owned(entry: PruneRecord) -> bool:
@@ -324,10 +333,7 @@ class ActivationQuant(Technique):
         for name, op, qs in found:
             if not all(bool(q.initialized) for q in qs.values()):
                 continue
-            node = record.prune_record.add().selective_prune
-            node.name = name
-            attrs.add_str(node, "algorithm", ALGORITHM)
-            attrs.add_str(node, "op", op)
+            node = _entry(record, name, op)
             node.attr.add(name="quantizers", type=AttrType.STRINGS, strings=[k.encode() for k in qs])
             pairs = [q.scale_offset() for q in qs.values()]
             node.attr.add(name="scale_d", type=AttrType.FLOATS, floats=[s for s, _ in pairs])
@@ -335,10 +341,7 @@ class ActivationQuant(Technique):
         for name, aq in state.hooked.items():
             if not bool(aq.initialized):
                 continue
-            node = record.prune_record.add().selective_prune
-            node.name = name
-            attrs.add_str(node, "algorithm", ALGORITHM)
-            attrs.add_str(node, "op", "residual")  # the quantizer is the reading layers' input one
+            node = _entry(record, name, "residual")  # the quantizer is the reading layers' input one
             node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.residual[name]])
 
 

@@ -3,6 +3,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from tests.runtimes import openvino_compile
+
 # INT8 activations and weights with every default: the quantization half of the acceptance configs.
 INT8_CFG = ("retrain_data_quant_config { ulq_quantize { } }\n"
             "retrain_weight_quant_config { arq_retrain { } }\n")
@@ -22,10 +24,8 @@ def ort_run(path, x):
 
 
 def openvino_run(path, x):
-    """The file in OpenVINO's CPU plugin; f32 so that no CPU runs its float ops in bf16."""
-    import openvino as ov
-
-    compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": "f32"})
+    """The file in OpenVINO's CPU plugin (tests/runtimes.py)."""
+    compiled = openvino_compile(path, threads=2)
     return compiled(np.ascontiguousarray(x.numpy()))[compiled.outputs[0]]
 
 

@@ -11,6 +11,7 @@ import torch
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
+from tests.runtimes import openvino_compile
 
 INT8 = ("retrain_data_quant_config { ulq_quantize { } }\n"
         "retrain_weight_quant_config { arq_retrain { channel_wise: true } }\n")
@@ -57,10 +58,7 @@ def _ort(path: str, batches: list[dict]) -> list[np.ndarray]:
 
 def _openvino(path: str, batches: list[dict]) -> list[np.ndarray]:
     """The same file in OpenVINO (issue 14: users on Intel CPUs run our deploy files there)."""
-    import openvino as ov
-
-    # f32: on CPUs with AMX/AVX512-BF16 OpenVINO would otherwise run the float ops in bf16
-    compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    compiled = openvino_compile(path, threads=1)
     names = [next(n for n in i.get_names() if n in batches[0]) for i in compiled.inputs]
     return [compiled({n: b[n].numpy() for n in names})[compiled.outputs[0]] for b in batches]
 
