@@ -61,6 +61,7 @@ class CompressedLayer(WeightOp):
         self.out_quant: nn.Module | None = None
         self.input_on_grid = False  # LayerParts.input_on_grid
         self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
+        self._scales_seen: tuple | None = None  # (weight key, scales) of the last eval/train forward
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -144,7 +145,18 @@ class CompressedLayer(WeightOp):
             if b is not None:
                 b = self._bias_on_int32_grid(w, b)
             w = self.wts_quant(w)
+            seen = getattr(self.wts_quant, "last_scales", None)
+            if seen is not None and self.bn is None:
+                self._scales_seen = (self._weight_key(), seen)
         return w, b
+
+    def _weight_key(self) -> tuple:
+        """Changes whenever the masked weight can have: an in-place update of the weight or of
+        a mask bumps its ``_version``; a new tensor has another address."""
+        masks = [getattr(self, n).mask for n in self.mask_names]
+        if self.sparsity is not None:
+            masks.append(self.sparsity.mask)
+        return (self.weight.data_ptr(), self.weight._version, *((m.data_ptr(), m._version) for m in masks))
 
     def _bias_on_int32_grid(self, w: Tensor, b: Tensor) -> Tensor:
         """The bias rounded to the int32 grid (input scale x weight scale, float32) on which the
@@ -178,6 +190,11 @@ class CompressedLayer(WeightOp):
         They include |gamma/sigma| when a BN is folded."""
         if self.wts_quant is None:
             return None
+        seen = self._scales_seen
+        if seen is not None and seen[0] == self._weight_key():
+            # What the last forward quantized with: a record built in that forward's hook (or
+            # after it, weights untouched) needs no second pass over the weight (issue 19).
+            return seen[1]
         return self.wts_quant.scales(self._folded_weight(step=False).detach())
 
     # -- forward -------------------------------------------------------------------------------

@@ -60,10 +60,11 @@ def pack_mask_bytes(keep: Tensor) -> bytes:
     """The words of :func:`pack_mask` as little-endian bytes, for a mask known to be 0/1 (a
     sparsifier's own): no value check and no Python ints, so packing a billion-weight model's
     masks stays a fraction of a second per GB of weights."""
-    bits = keep.detach().reshape(-1).ne(0).cpu().numpy()
-    padded = np.zeros(num_words(bits.size) * _BITS, dtype=np.bool_)
-    padded[: bits.size] = bits
-    return np.packbits(padded, bitorder="big").tobytes()
+    flat = keep.detach().reshape(-1)
+    bits = (flat if flat.dtype == torch.bool else flat.ne(0)).cpu().numpy()  # a bool mask: no copy
+    # packbits zero-fills the last byte; zero bytes then complete the last word.
+    packed = np.packbits(bits, bitorder="big").tobytes()
+    return packed + bytes(num_words(bits.size) * 8 - len(packed))
 
 
 def unpack_mask(

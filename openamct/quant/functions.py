@@ -250,20 +250,22 @@ class ARQWeightFunction(Function):
     """ARQ: scale recomputed from w each call; backward is the identity (nothing is clipped)."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, channel_wise: bool, axis: int, groups: int) -> Tensor:
-        return fake_quant_per_channel(w, arq_scales(w, channel_wise, axis, groups), axis, groups,
-                                      clamp=False, per_tensor=not channel_wise)
+    def forward(ctx, w: Tensor, channel_wise: bool, axis: int, groups: int, scales: Tensor) -> Tensor:
+        return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return g, None, None, None
+        return g, None, None, None, None
 
 
-def arq_weight_fake_quant(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1) -> Tensor:
+def arq_weight_fake_quant(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1,
+                          scales: Tensor | None = None) -> Tensor:
+    """``scales``: ``arq_scales`` of this ``w`` when the caller already has them."""
+    if scales is None or graph_mode():
+        scales = arq_scales(w, channel_wise, axis, groups)
     if graph_mode() or not (torch.is_grad_enabled() and w.requires_grad):
-        return fake_quant_per_channel(w, arq_scales(w, channel_wise, axis, groups), axis, groups,
-                                      clamp=False, per_tensor=not channel_wise)
-    return ARQWeightFunction.apply(w, channel_wise, axis, groups)
+        return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise)
+    return ARQWeightFunction.apply(w, channel_wise, axis, groups, scales)
 
 
 class ULQWeightFunction(Function):

@@ -163,6 +163,7 @@ class WeightARQ(_WeightQuant):
 
     def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1) -> None:
         super().__init__(channel_wise, axis, groups)
+        self.last_scales: Tensor | None = None
 
     @property
     def commutes_with_channel_scale(self) -> bool:
@@ -171,7 +172,11 @@ class WeightARQ(_WeightQuant):
         return self.channel_wise
 
     def forward(self, w: Tensor) -> Tensor:
-        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups)
+        if graph_mode():
+            return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups)
+        s = arq_scales(w, self.channel_wise, self.axis, self.groups)
+        self.last_scales = s  # for the record (CompressedLayer.weight_scales): not recomputed there
+        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups, s)
 
     def scales(self, w: Tensor) -> Tensor:
         return arq_scales(w, self.channel_wise, self.axis, self.groups)
