@@ -3,8 +3,10 @@ makes ONNX Runtime's CPU provider run it as integer kernels (QLinearConv, QGemm,
 uint8 MaxPool, QLinear(Global)AveragePool).
 
 Torch side: each quantized layer reads ``QDQAct(input quantizer)`` (uint8, zero point + 128) and
-``WeightQDQ(weight)``; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
-1. Q(W_float) -> int8 initializer (per channel, zero point 0); Conv/Gemm bias -> int32
+holds its weight as int8 already (``WeightDQ``: exports as DequantizeLinear of the int8
+initializer ``<layer>.weight_int8``, per channel, zero point 0), so the export carries a quarter
+of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
+1. Conv/Gemm bias -> int32
    initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
 2. Output quantization, visiting layers (and Adds / Muls / average pools whose inputs are
    quantized) in topological order. If the output reaches, through ops that commute with
@@ -43,7 +45,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.export.covering_pool import fold_pools
 from openamct.export.export_layer import (
     QDQAct,
-    WeightQDQ,
+    WeightDQ,
     fold_activations,
     fold_layers,
     per_channel_view,
@@ -59,19 +61,19 @@ INT_ANCHORS = {"Conv", "Gemm"}  # ORT CPU has integer kernels for these (Linear 
 PASS_OPS = {"Relu", "Clip", "MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
 
 
-def _weight_qdq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightQDQ | None:
+def _weight_dq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightDQ | None:
     scales = parts.weight_scales
     if scales is None:
         return None
     if not parts.weight_per_channel:
-        return WeightQDQ(scales, None)
+        return WeightDQ(scales, None)
     w2, axis = per_channel_view(w, layer)
     if w2.shape != w.shape:
         # Grouped ConvTranspose: Cout is not one axis of the stored weight, so no per-axis
         # DequantizeLinear expresses it; kept float (ORT's CPU EP has no integer ConvTranspose).
         logger.info("deploy: grouped %s weight kept float", layer.layer_type)
         return None
-    return WeightQDQ(scales, axis)
+    return WeightDQ(scales, axis)
 
 
 def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, tuple[float, float]]:
@@ -80,7 +82,11 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
     def build(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
         pre = None if parts.input_quant is None else QDQAct(*parts.input_quant)
         post = None if parts.output_quant is None else QDQAct(*parts.output_quant)
-        return {"pre": pre, "weight_fn": _weight_qdq(layer, w, parts), "gemm_2d": True, "post": post}
+        dq = _weight_dq(layer, w, parts)
+        extras = {"pre": pre, "weight_fn": dq, "gemm_2d": True, "post": post}
+        if dq is not None:
+            extras["weight"] = dq.quantize(w)
+        return extras
 
     found = fold_layers(model, build, techniques)
     fold_activations(model, QDQAct)
@@ -90,26 +96,6 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
 
 
 # -- post-pass ------------------------------------------------------------------------------------
-
-def _quantize_weights(g: OnnxGraph) -> dict[str, str]:
-    """Q(float constant) -> int8 initializer; returns int8 name -> original weight name.
-    (Linear layers export as Gemm with W itself, never W^T: see ExportLayer.gemm_2d.)"""
-    names = {}
-    for q in [n for n in g.nodes if n.op_type == "QuantizeLinear"]:
-        w, s, zp = g.const(q.input[0]), g.const(q.input[1]), g.const(q.input[2])
-        if w is None or s is None or zp is None or zp.dtype != np.int8:
-            continue
-        axis = g.attr(q, "axis", 1) if s.size > 1 else 0
-        shape = [1] * w.ndim
-        if s.size > 1:
-            shape[axis] = -1
-        ints = np.clip(np.rint(w / s.reshape(shape)), -128, 127).astype(np.int8)
-        name = g.add_init(ints, q.input[0] + "_int8")
-        names[name] = q.input[0]
-        g.replace_uses(q.output[0], name)
-        g.remove(q)
-    return names
-
 
 def _bias_to_int32(g: OnnxGraph) -> None:
     def dq_scale(t: str) -> np.ndarray | None:
@@ -349,16 +335,18 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     g = OnnxGraph(model)
     g.constants_to_initializers()
     g.fold_constants()
-    int8_names = _quantize_weights(g)
     _bias_to_int32(g)
     requantized = _drop_requantize(g)
     _dedupe(g)
-    placed = 0
+    placed = int8 = 0
     for n in g.topological():
         if n.op_type in INT_ANCHORS:
             w = n.input[1]
             dq = g.producer(w)
-            key = int8_names.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else w
+            if dq is not None and dq.op_type == "DequantizeLinear":
+                int8 += 1
+                w = dq.input[0]
+            key = w[:-len("_int8")] if w.endswith(".weight_int8") else w
             if g.producer(n.input[0]) is None or g.producer(n.input[0]).op_type != "DequantizeLinear":
                 continue
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
@@ -373,5 +361,5 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     pads = _fuse_pads(g)
     g.finish()
     logger.debug("deploy post-pass: %d zero pads fused into convs, %d Q(DQ) pairs dropped", pads, requantized)
-    logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", len(int8_names), placed)
+    logger.debug("deploy post-pass: %d int8 weights, %d quantized outputs", int8, placed)
     return model

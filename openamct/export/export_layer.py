@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import Function
 
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
@@ -28,14 +29,22 @@ from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExportLayer", "QDQAct", "WeightQDQ", "working_copy", "compressed_layers",
+__all__ = ["ExportLayer", "QDQAct", "WeightDQ", "working_copy", "compressed_layers",
            "export_parts", "fold_layers", "fold_activations"]
 
 
 def working_copy(model: nn.Module) -> nn.Module:
-    """Deep copy in eval mode without the record keeper (its hooks write the record file)."""
+    """Deep copy in eval mode without the record keeper (its hooks write the record file).
+
+    The weights and biases of the layers, and the parameters of the model's own modules
+    (embeddings, norms), are shared, not copied: folding reads them and writes new tensors, and
+    nothing in the export writes to them, so a save holds no second copy of the model (issue
+    19). openamct's quantizers and masks are copied: an eval forward may still initialise them.
+    """
     src = unwrap(model)
-    work = copy.deepcopy(src)
+    memo = {id(p): p for m in src.modules() if isinstance(m, CompressedLayer) or not _is_ours(m)
+            for p in m._parameters.values() if p is not None}
+    work = copy.deepcopy(src, memo)
     keeper = getattr(work, "_openamct", None)
     if keeper is not None:
         for hooks in (work._forward_pre_hooks, work._forward_hooks):
@@ -43,6 +52,10 @@ def working_copy(model: nn.Module) -> nn.Module:
                 del hooks[key]
         del work._openamct
     return work.eval()
+
+
+def _is_ours(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("openamct.")
 
 
 def compressed_layers(model: nn.Module) -> dict[str, CompressedLayer]:
@@ -75,7 +88,10 @@ class ExportLayer(WeightOp):
         # A Conv1D (W [in, out]) goes out as a Linear: ``weight`` arrives transposed (fold_layers).
         self.kind, self.spatial = ("linear" if layer.kind == "linear_t" else layer.kind), layer.spatial
         self.copy_op_attrs(layer)
-        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        # An int8 weight (the deploy model's) is stored as ``weight_int8``, the initializer name
+        # the deploy file has always used; ``weight_fn`` dequantizes it.
+        self._wname = "weight" if weight.is_floating_point() else "weight_int8"
+        self.register_parameter(self._wname, nn.Parameter(weight.detach().clone(), requires_grad=False))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.pre, self.weight_fn, self.post = pre, weight_fn, post
         self.gemm_2d = gemm_2d and self.kind == "linear"
@@ -85,16 +101,43 @@ class ExportLayer(WeightOp):
             # [.., K] -> [N', K] before the input Q/DQ, so the deploy model gets DQ -> Gemm -> Q
             # (QGemm, int32 bias inside) instead of MatMul + float bias Add.
             # Constant widths: a Shape of the output would force ORT to dequantize it.
-            y = self._forward(x.reshape(-1, self.weight.shape[1]))
-            return y.reshape(*x.shape[:-1], self.weight.shape[0])
+            shape = getattr(self, self._wname).shape
+            y = self._forward(x.reshape(-1, shape[1]))
+            return y.reshape(*x.shape[:-1], shape[0])
         return self._forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         if self.pre is not None:
             x = self.pre(x)
-        w = self.weight if self.weight_fn is None else self.weight_fn(self.weight)
-        y = self._op(x, w, self.bias)
+        if self._wname == "weight" and self._exports_transposed(x) and not torch.jit.is_tracing():
+            self._store_transposed()
+        w = getattr(self, self._wname)
+        w = w if self.weight_fn is None else self.weight_fn(w)
+        if self._wname == "weight_t":
+            if not self._exports_transposed(x):
+                return self._post(self._op(x, w.t(), self.bias))
+            y = torch.matmul(x, w)
+            return self._post(y if self.bias is None else self.bias + y)  # Add(bias, y), as the exporter's linear
+        return self._post(self._op(x, w, self.bias))
+
+    def _post(self, y: Tensor) -> Tensor:
         return y if self.post is None else self.post(y)
+
+    def _exports_transposed(self, x: Tensor) -> bool:
+        """A float Linear the exporter writes as MatMul(x, W^T): all but a 2-D input with a bias
+        (Gemm)."""
+        return self.kind == "linear" and self.weight_fn is None and (x.dim() != 2 or self.bias is None)
+
+    @torch.no_grad()
+    def _store_transposed(self) -> None:
+        """Keep W^T ([in, out], ``weight_t``) instead of W. The exporter would otherwise fold
+        Transpose(W) into a new initializer, a second copy of every such weight while it runs
+        (issue 19: a Llama's every Linear). Done at the first eager call (``export_signature``
+        runs one before tracing); the file gets the same MatMul and Add as before."""
+        wt = self.weight.t().contiguous()
+        del self.weight
+        self.register_parameter("weight_t", nn.Parameter(wt, requires_grad=False))
+        self._wname = "weight_t"
 
 
 class QDQAct(nn.Module):
@@ -113,21 +156,45 @@ class QDQAct(nn.Module):
         return f"scale={self.scale:.8g}, zero_point={self.zero_point} (uint8)"
 
 
-class WeightQDQ(nn.Module):
-    """Symmetric int8 weight quantization with the trained scales (``axis`` None: per tensor);
-    exports as Q/DQ on the weight initializer, which the deploy post-pass stores as int8."""
+class _Dequantize(Function):
+    """int8 -> float with per-axis (or one) scale and zero point; exports as one
+    DequantizeLinear reading the int8 initializer itself."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, scale: Tensor, zero: Tensor, axis: int) -> Tensor:
+        shape = [1] * q.dim()
+        if scale.dim():
+            shape[axis] = -1
+        return (q.float() - zero.float().reshape(shape)) * scale.reshape(shape)
+
+    @staticmethod
+    def symbolic(g, q, scale, zero, axis: int):
+        return g.op("DequantizeLinear", q, scale, zero, axis_i=axis)
+
+
+class WeightDQ(nn.Module):
+    """The deploy model's weight: int8 values (``quantize``) and the trained scales, per output
+    channel on ``axis`` or one (``axis`` None). Stored as int8 in torch already, so exporting
+    the deploy model carries a quarter of the float weight bytes (issue 19)."""
 
     def __init__(self, scales: Tensor, axis: int | None) -> None:
         super().__init__()
         self.axis = axis
-        self.register_buffer("scales", scales.detach().float().reshape(-1).clone())
-        self.register_buffer("zeros", torch.zeros(self.scales.numel(), dtype=torch.int32))
-        self.scale = float(self.scales[0])  # per tensor: a constant, not a data-dependent .item()
+        shape = () if axis is None else (-1,)
+        self.register_buffer("scales", scales.detach().float().reshape(shape).clone())
+        self.register_buffer("zeros", torch.zeros(self.scales.shape, dtype=torch.int8))
 
-    def forward(self, w: Tensor) -> Tensor:
-        if self.axis is None:
-            return torch.fake_quantize_per_tensor_affine(w, self.scale, 0, QMIN, QMAX)
-        return torch.fake_quantize_per_channel_affine(w, self.scales, self.zeros, self.axis, QMIN, QMAX)
+    def quantize(self, w: Tensor) -> Tensor:
+        """int8 of the (already fake-quantized) float weight: round(w / s) as numpy's rint."""
+        s = self.scales
+        if self.axis is not None:
+            shape = [1] * w.dim()
+            shape[self.axis] = -1
+            s = s.reshape(shape)
+        return torch.round(w.detach().float() / s).clamp_(QMIN, QMAX).to(torch.int8)
+
+    def forward(self, q: Tensor) -> Tensor:
+        return _Dequantize.apply(q, self.scales, self.zeros, 0 if self.axis is None else self.axis)
 
 
 def per_channel_view(w: Tensor, layer: CompressedLayer) -> tuple[Tensor, int]:
@@ -156,8 +223,10 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
         if layer.kind == "linear_t":
             w = w.t()  # exported as a Linear, so ONNX Runtime runs it as QGemm like any other
         parts = out[name] = export_parts(layer, techniques)
-        new = as_layer_class(ExportLayer, type(layer))(layer, w.detach().float(), None if b is None else b.detach().float(),
-                                                         **build(name, layer, w, parts))
+        extras = build(name, layer, w, parts)
+        weight = extras.pop("weight", None)  # the deploy model's int8 values
+        new = as_layer_class(ExportLayer, type(layer))(layer, w.detach().float() if weight is None else weight,
+                                                         None if b is None else b.detach().float(), **extras)
         set_module(model, name, new)
     return out
 

@@ -66,29 +66,44 @@ def flatten_outputs(out, prefix: str = "output") -> tuple[list[torch.Tensor], li
 
 class FlatIO(nn.Module):
     """``model(*args, **kwargs)`` with the tensor inputs as positional arguments (in the order
-    given: positional first, then the keywords) and the outputs as a flat tuple of tensors."""
+    given: positional first, then the keywords) and the outputs as a flat tuple of tensors.
+
+    The model's own parameters, buffers and children are registered on the wrapper under their
+    own names (the model itself is held unregistered), so the exporter names initializers and
+    nodes as if the model had been exported directly (``layer.weight``, ``/layer/Gemm``): the
+    exported file needs no renaming pass, and so no loading back (issue 19)."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         super().__init__()
-        self.model = model
-        self._args = list(args)
-        self._kwargs = dict(kwargs)
-        self._arg_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        self._kw_slots = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-
-    def inputs(self) -> tuple[tuple, list[str]]:
-        tensors = [self._args[i] for i in self._arg_slots] + [self._kwargs[k] for k in self._kw_slots]
-        names = [f"input_{i}" for i in self._arg_slots] + list(self._kw_slots)
-        return tuple(tensors), names
+        # Own state under one private name: every other name is free for the model's children
+        # (LlamaForCausalLM has one called ``model``).
+        tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        object.__setattr__(self, "_flatio", (model, list(args), dict(kwargs), tensor_args, tensor_kwargs))
+        for name, p in model._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in model._buffers.items():
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        for name, child in model._modules.items():
+            self.add_module(name, child)
 
     def forward(self, *flat):
-        args, kwargs = list(self._args), dict(self._kwargs)
-        for slot, t in zip(self._arg_slots, flat):
+        model, args, kwargs, arg_slots, kw_slots = self._flatio
+        args, kwargs = list(args), dict(kwargs)
+        for slot, t in zip(arg_slots, flat):
             args[slot] = t
-        for key, t in zip(self._kw_slots, flat[len(self._arg_slots):]):
+        for key, t in zip(kw_slots, flat[len(arg_slots):]):
             kwargs[key] = t
-        tensors, _, _ = flatten_outputs(self.model(*args, **kwargs))
+        tensors, _, _ = flatten_outputs(model(*args, **kwargs))
         return tuple(tensors)
+
+
+def flat_inputs(flat: FlatIO) -> tuple[tuple, list[str]]:
+    """The tensors ``flat`` takes, in order, and their input names."""
+    _, args, kwargs, arg_slots, kw_slots = flat._flatio
+    tensors = [args[i] for i in arg_slots] + [kwargs[k] for k in kw_slots]
+    names = [f"input_{i}" for i in arg_slots] + list(kw_slots)
+    return tuple(tensors), names
 
 
 def export_signature(model: nn.Module, args: tuple, kwargs: dict):
@@ -102,21 +117,5 @@ def export_signature(model: nn.Module, args: tuple, kwargs: dict):
     if dropped:
         logger.info("export: output field(s) %s are not tensors and are left out of the ONNX files", ", ".join(dropped))
     flat = FlatIO(model, args, kwargs)
-    flat_args, in_names = flat.inputs()
+    flat_args, in_names = flat_inputs(flat)
     return flat, flat_args, {}, in_names, out_names
-
-
-def strip_wrapper_names(proto) -> None:
-    """FlatIO holds the model as ``model``: drop that prefix from initializer and node names,
-    so the files read as if the model had been exported directly (``layer.weight``)."""
-    renamed = {}
-    for t in proto.graph.initializer:
-        if t.name.startswith("model."):
-            renamed[t.name] = t.name[len("model."):]
-            t.name = renamed[t.name]
-    for n in proto.graph.node:
-        if n.name.startswith("/model/"):
-            n.name = n.name[len("/model"):]
-        for i, name in enumerate(n.input):
-            if name in renamed:
-                n.input[i] = renamed[name]

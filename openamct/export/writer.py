@@ -32,7 +32,8 @@ from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps,
 from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import compressed_layers, export_parts, working_copy
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
-from openamct.export.signature import export_signature, strip_wrapper_names
+from openamct.export.signature import export_signature
+from openamct.export.staging import SAVE_ID_KEY, Staged, hash_model, stage_export, tensor_bytes
 from openamct.graph.capture import split_input_data
 from openamct.techniques import TECHNIQUES, Technique
 
@@ -40,8 +41,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["export_pair", "export_onnx", "write_onnx", "OPSET", "EXTERNAL_DATA_BYTES",
            "SAVE_ID_KEY"]
-
-SAVE_ID_KEY = "openamct_save_id"  # metadata_props key: the two files of one save carry one id
 
 OPSET = 17
 EXTERNAL_DATA_BYTES = 2**31 - 2**26  # protobuf's 2 GB limit, less room for the graph itself
@@ -51,15 +50,15 @@ def export_onnx(model: nn.Module, input_data: Any, input_names=None, output_name
                 dynamic_axes=None, work_dir: str | None = None) -> onnx.ModelProto:
     """TorchScript export to an in-memory ModelProto (external data loaded back in)."""
     with tempfile.TemporaryDirectory(prefix=temp_prefix("export"), dir=work_dir) as tmp:
-        path, wrapped = export_to_file(model, input_data, tmp, input_names, output_names, dynamic_axes)
-        return load_export(path, wrapped)
+        path = export_to_file(model, input_data, tmp, input_names, output_names, dynamic_axes)
+        return onnx.load(path, load_external_data=True)
 
 
 def export_to_file(model: nn.Module, input_data: Any, folder: str, input_names=None, output_names=None,
-                   dynamic_axes=None) -> tuple[str, bool]:
-    """TorchScript export into ``folder``; returns the file and whether a wrapper's names must be
-    stripped (``load_export``). Split from the load so a caller can free the model in between:
-    the exporter's own copy and the loaded proto then never coexist with it (issue 19)."""
+                   dynamic_axes=None) -> str:
+    """TorchScript export into ``folder`` (``model.onnx``; above 2 GB the exporter writes one
+    file per tensor beside it). Split from any load so a caller can free the model in between:
+    the exporter's own copy and a loaded proto then never coexist with it (issue 19)."""
     args, kwargs = split_input_data(input_data)
     # Names both files share (signature.py); the exporter's own differ per file.
     target, args, kwargs, default_in, default_out = export_signature(model, args, kwargs)
@@ -74,24 +73,12 @@ def export_to_file(model: nn.Module, input_data: Any, folder: str, input_names=N
                               opset_version=OPSET, input_names=input_names,
                               output_names=output_names, dynamic_axes=dynamic_axes,
                               do_constant_folding=True)
-    return path, target is not model
-
-
-def load_export(path: str, wrapped: bool) -> onnx.ModelProto:
-    proto = onnx.load(path, load_external_data=True)
-    if wrapped:
-        strip_wrapper_names(proto)
-    return proto
-
-
-def _tensor_bytes(model: onnx.ModelProto) -> int:
-    total = sum(len(t.raw_data) for t in model.graph.initializer)
-    return total + sum(len(a.t.raw_data) for n in model.graph.node for a in n.attribute if a.HasField("t"))
+    return path
 
 
 def write_onnx(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_DATA_BYTES) -> None:
     """Write ``model`` to ``path`` atomically; external data (``<name>.data``) above the threshold."""
-    if _tensor_bytes(model) <= external_threshold:
+    if tensor_bytes(model) <= external_threshold:
         atomic_write_bytes(path, model.SerializeToString())
         return
     folder, base = os.path.split(os.path.abspath(path))
@@ -107,18 +94,6 @@ def write_onnx(model: onnx.ModelProto, path: str, external_threshold: int = EXTE
     logger.info("%s: written with external data %s", path, data_name)
 
 
-def _hash_model(h, model: onnx.ModelProto) -> None:
-    """Feed one model of a save into the pair's id (``_stamp``)."""
-    g = model.graph
-    for part in (*g.node, *g.input, *g.output):
-        h.update(part.SerializeToString(deterministic=True))
-    for t in g.initializer:
-        h.update(t.name.encode())
-        h.update(repr(tuple(t.dims)).encode())
-        h.update(t.raw_data)
-    h.update(b"\0")
-
-
 def _stamp(models: Sequence[onnx.ModelProto]) -> str:
     """Give every model of one save the same id: a digest of the pair's content (so a restore
     that writes the same models writes the same bytes, and a file of another save differs)."""
@@ -126,58 +101,12 @@ def _stamp(models: Sequence[onnx.ModelProto]) -> str:
 
     h = hashlib.sha256()
     for model in models:
-        _hash_model(h, model)
+        hash_model(h, model)
     save_id = h.hexdigest()[:32]
     for model in models:
         entry = model.metadata_props.add()
         entry.key, entry.value = SAVE_ID_KEY, save_id
     return save_id
-
-
-class _Staged:
-    """One model written to a staging folder now (so its proto can be freed before the next
-    model is built, issue 19), stamped and moved into place later.
-
-    The save id goes in last: appending a serialized ``ModelProto`` that holds only the
-    ``metadata_props`` entry to the file is protobuf's merge, and gives the same bytes as
-    serializing the stamped proto as long as ``metadata_props`` (field 14) is the last field
-    present. That holds for the exporter's models (no ``training_info`` or ``functions``); for
-    any other the proto is kept and written whole at the end.
-    """
-
-    def __init__(self, model: onnx.ModelProto, path: str, stage: str, external_threshold: int) -> None:
-        self.path, self.base = path, os.path.basename(path)
-        self.staged = os.path.join(stage, self.base)
-        self.external = _tensor_bytes(model) > external_threshold
-        self.kept = model if (model.training_info or model.functions) else None
-        if self.kept is not None:
-            return
-        if self.external:
-            # The proto is not used again: onnx may move its tensors out (no copy, unlike write_onnx).
-            onnx.save_model(model, self.staged, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=self.base + ".data", size_threshold=1024)
-        else:
-            with open(self.staged, "wb") as f:
-                f.write(model.SerializeToString())
-
-    def finish(self, save_id: str) -> None:
-        if self.kept is not None:
-            entry = self.kept.metadata_props.add()
-            entry.key, entry.value = SAVE_ID_KEY, save_id
-            write_onnx(self.kept, self.path, 0 if self.external else EXTERNAL_DATA_BYTES)
-            return
-        tail = onnx.ModelProto()
-        entry = tail.metadata_props.add()
-        entry.key, entry.value = SAVE_ID_KEY, save_id
-        with open(self.staged, "ab") as f:
-            f.write(tail.SerializeToString())
-        folder = os.path.dirname(os.path.abspath(self.path))
-        names = (self.base + ".data", self.base) if self.external else (self.base,)
-        for name in names:  # data first: the model file must never point at nothing
-            with atomic_path(os.path.join(folder, name)) as target:
-                shutil.move(os.path.join(os.path.dirname(self.staged), name), target)
-        if self.external:
-            logger.info("%s: written with external data %s", self.path, self.base + ".data")
 
 
 def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: Any,
@@ -201,7 +130,7 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         proto = export_onnx(fold_plain(probe, techniques), input_data, **names)
         del probe
         _stamp([proto])
-        if _tensor_bytes(proto) <= external_threshold:
+        if tensor_bytes(proto) <= external_threshold:
             data = proto.SerializeToString()
             atomic_write_bytes(fake_path, data)
             atomic_write_bytes(deploy_path, data)
@@ -211,31 +140,29 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         logger.info("no quantized layer: wrote the same float model to %s and %s", fake_path, deploy_path)
         return
     # Both models are built before either file is moved into place: a failure leaves the old
-    # pair. Each is staged on disk as soon as it is built, so at most one proto is in memory.
+    # pair. Each is staged on disk as soon as it is built, so at most one proto is in memory,
+    # and the fake-quant model's (its weights are float) is never loaded at all.
     import hashlib
 
     h = hashlib.sha256()
     with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
         io = {k: v for k, v in names.items() if k != "work_dir"}
-        file, wrapped = export_to_file(fold_fake_quant(probe, techniques), input_data, stage, **io)
+        fstage = os.path.join(stage, "fake")  # the exporter's own folder: tensor files land there
+        os.mkdir(fstage)
+        file = export_to_file(fold_fake_quant(probe, techniques), input_data, fstage, **io)
         del probe
-        gc.collect()  # the working copy's module tree has cycles: free it before loading the export
-        fake = load_export(file, wrapped)
-        os.remove(file)
-        _hash_model(h, fake)
-        staged = [_Staged(fake, fake_path, stage, external_threshold)]
-        del fake
+        gc.collect()  # the working copy's module tree has cycles: free it before the next one
+        staged = [stage_export(file, fake_path, stage, external_threshold, h)]
         work = working_copy(model)
         observers = fold_deploy(work, techniques)
         dstage = os.path.join(stage, "deploy")  # the two files may share a name in two folders
         os.mkdir(dstage)
-        file, wrapped = export_to_file(work, input_data, dstage, **io)
+        file = export_to_file(work, input_data, dstage, **io)
         del work
         gc.collect()
-        deploy = finish_deploy(load_export(file, wrapped), observers)
+        deploy = finish_deploy(onnx.load(file, load_external_data=True), observers)
         os.remove(file)
-        _hash_model(h, deploy)
-        staged.append(_Staged(deploy, deploy_path, dstage, external_threshold))
+        staged.append(Staged(deploy, deploy_path, dstage, external_threshold, h))
         del deploy
         save_id = h.hexdigest()[:32]
         for item in staged:

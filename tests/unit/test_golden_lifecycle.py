@@ -17,6 +17,12 @@ One change was made on purpose since: issue 14 puts a quantized layer's bias on 
 the deploy model adds it on (``CompressedLayer._bias_on_int32_grid``). The two fake-quant
 references were rewritten then; they differ from e6cf75e's in four bias initializers only
 (layer2-4, fc; by at most 1.5e-5), and the deploy files and records not at all.
+
+And issue 19 exports the deploy model's weights as int8 from torch (``WeightDQ``) instead of
+quantizing float initializers in the post-pass. The two deploy references were rewritten then:
+the same ops, and the same initializer values (compared as a multiset of dtype and bytes); only
+initializer order and two kinds of names moved (the weight zero points are now
+``<layer>.weight_fn.zeros``, and the exporter's numbering of the float convs' folded weights).
 """
 
 import difflib
