@@ -7,8 +7,10 @@ thread reads /proc/self/statm every 2 ms). Peaks are printed as "above what the 
 when the step began", divided by the model's weight bytes, so sizes compare directly, and as
 the process's absolute peak. Restore runs after the trained copy is freed, into memory the
 allocator may reuse: its "above" figure is a lower bound, its absolute peak is not. For
-reference, a plain FP32 training step and a plain float ``torch.onnx.export`` (same exporter and opset as save) run in a separate process: memory a
-finished step freed would otherwise be reused by the next one and hide its peak.
+reference, a plain FP32 training step and a plain float ``torch.onnx.export`` (same exporter and
+opset as save) run in separate processes, and so does the acceptance's create -> eval forward ->
+save chain: memory a finished step freed would otherwise be reused by the next one and hide its
+peak. The last lines print each acceptance figure of issue 19 beside its bound.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --sizes 1.1b --allow-1b   # needs ~20 GB
@@ -133,6 +135,11 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
         work(**ids)
     out["eval"] = (p.seconds, p.above, p.peak)
     out["record_after_eval"] = os.path.getsize(rec)
+    keeper = work._openamct
+    keeper._last = None  # forget the last write, so flush builds and writes the record again
+    with Peak() as p:
+        keeper.flush()
+    out["record_write"] = (p.seconds, p.above, p.peak)
     out["mask_file"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if ".masks-" in f)
     prefix = os.path.join(folder, "llama")
     with Peak() as p:
@@ -154,27 +161,60 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     return out
 
 
-def run_plain(size: str, seq: int, folder: str) -> dict:
-    import warnings
+def run_chain(size: str, seq: int, folder: str) -> dict:
+    """create -> eval forward -> save in a fresh process: the acceptance's chain, its peak
+    above what the process held with the caller's model built."""
+    import torch
 
+    import openamct as amct
+
+    model = build(size)
+    ids = inputs(seq)
+    cfg = os.path.join(folder, "cfg.cfg")
+    with open(cfg, "w") as f:
+        f.write(CFG)
+    rec = os.path.join(folder, "record.txt")
+    with Peak() as p:
+        work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+        work.eval()
+        with torch.no_grad():
+            work(**ids)
+        amct.save_compressed_retrain_model(work, rec, os.path.join(folder, "llama"), ids)
+    return {"chain": (p.seconds, p.above, p.peak)}
+
+
+def run_steps(size: str, seq: int, folder: str) -> dict:
     import torch
 
     model = build(size)
     ids = inputs(seq)
-    out = {"weights": weight_bytes(model)}
+    out = {}
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     model.train()
     for i in (1, 2, 3):
         with Peak() as p:
             _step(model, ids, opt)
         out[f"fp32_step{i}"] = (p.seconds, p.above, p.peak)
-    model.eval()
+    return out
+
+
+def run_export(size: str, seq: int, folder: str) -> dict:
+    """A plain float export in a fresh process (after training steps the allocator would
+    already hold memory the export reuses, and its peak would look smaller)."""
+    import warnings
+
+    import torch
+
+    model = build(size).eval()
+    ids = inputs(seq)
     with Peak() as p, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (), kwargs=ids, f=os.path.join(folder, "plain.onnx"), dynamo=False, opset_version=17,
                           do_constant_folding=True)
-    out["plain_export"] = (p.seconds, p.above, p.peak)
-    return out
+    return {"plain_export": (p.seconds, p.above, p.peak)}
+
+
+PARTS = {"lifecycle": run_lifecycle, "chain": run_chain, "steps": run_steps, "export": run_export}
 
 
 def child(args) -> None:
@@ -182,8 +222,7 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:
-        fn = run_lifecycle if args.part == "lifecycle" else run_plain
-        print("RESULT " + json.dumps(fn(args.size, args.seq, folder)), flush=True)
+        print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, folder)), flush=True)
 
 
 def spawn(part: str, size: str, args) -> dict:
@@ -203,8 +242,8 @@ def report(size: str, life: dict, plain: dict) -> None:
           f"process held {life['base_rss'] / 1e9:.2f} GB before create")
     print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}{'peak GB':>9}")
     for key, src in (("create", life), ("train1", life), ("train2", life), ("train3", life), ("eval", life),
-                     ("save", life), ("ort_load", life), ("restore", life), ("fp32_step1", plain), ("fp32_step2", plain),
-                     ("fp32_step3", plain), ("plain_export", plain)):
+                     ("record_write", life), ("save", life), ("ort_load", life), ("restore", life), ("chain", plain),
+                     ("fp32_step1", plain), ("fp32_step2", plain), ("fp32_step3", plain), ("plain_export", plain)):
         s, b, peak = src[key]
         print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}{peak / 1e9:>9.2f}")
     steady = min(life["train2"][0], life["train3"][0])
@@ -214,6 +253,11 @@ def report(size: str, life: dict, plain: dict) -> None:
     print(f"ratios: steady step / FP32 step {steady / fp32:.2f}, first / steady {life['train1'][0] / steady:.2f}, "
           f"save / plain export {life['save'][0] / plain['plain_export'][0]:.2f}, "
           f"save peak+ - plain export peak+ = {(life['save'][1] - plain['plain_export'][1]) / w:.2f} W")
+    print(f"acceptance: create peak+ {life['create'][1] / w:.2f} W (<= 1.3); chain peak+ - plain export peak+ = "
+          f"{(plain['chain'][1] - plain['plain_export'][1]) / w:.2f} W (<= 1.3); save / plain export "
+          f"{life['save'][0] / plain['plain_export'][0]:.2f} (<= 2); steady / FP32 {steady / fp32:.2f} (<= 1.3); "
+          f"first / steady {life['train1'][0] / steady:.2f} (<= 2); record write "
+          f"{life['record_write'][0] / (life['params'] / 1e9):.2f} s per 1e9 params (<= 1)")
 
 
 def main() -> None:
@@ -222,7 +266,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--allow-1b", action="store_true", help="run 1.1b (about 20 GB peak: not on a shared machine)")
-    ap.add_argument("--part", choices=("lifecycle", "plain"), help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=tuple(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part:
@@ -236,7 +280,8 @@ def main() -> None:
             raise SystemExit("--sizes 1.1b needs --allow-1b (about 20 GB of memory)")
     results = {}
     for size in sizes:
-        life, plain = spawn("lifecycle", size, args), spawn("plain", size, args)
+        life = spawn("lifecycle", size, args)
+        plain = {k: v for part in ("chain", "steps", "export") for k, v in spawn(part, size, args).items()}
         results[size] = (life, plain)
         report(size, life, plain)
     for a, b in zip(sizes, sizes[1:]):

@@ -149,17 +149,24 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         io = {k: v for k, v in names.items() if k != "work_dir"}
         fstage = os.path.join(stage, "fake")  # the exporter's own folder: tensor files land there
         os.mkdir(fstage)
-        file = export_to_file(fold_fake_quant(probe, techniques), input_data, fstage, **io)
+        fake = fold_fake_quant(probe, techniques)
         del probe
+        logger.debug("fake-quant model folded")
+        file = export_to_file(fake, input_data, fstage, **io)
+        del fake
         gc.collect()  # the working copy's module tree has cycles: free it before the next one
+        logger.debug("fake-quant model exported")
         staged = [stage_export(file, fake_path, stage, external_threshold, h)]
+        logger.debug("fake-quant model staged")
         work = working_copy(model)
         observers = fold_deploy(work, techniques)
+        logger.debug("deploy model folded")
         dstage = os.path.join(stage, "deploy")  # the two files may share a name in two folders
         os.mkdir(dstage)
         file = export_to_file(work, input_data, dstage, **io)
         del work
         gc.collect()
+        logger.debug("deploy model exported")
         deploy = finish_deploy(onnx.load(file, load_external_data=True), observers)
         os.remove(file)
         staged.append(Staged(deploy, deploy_path, dstage, external_threshold, h))
