@@ -17,7 +17,8 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.internal.type_checkers import ToShortestFloat
 
-from openamct.record import text_writer
+from openamct.record import file_io, text_writer
+from openamct.record.file_io import record_to_text
 from openamct.record.scale_offset_record_pb2 import (
     AttrProto,
     AttrType,
@@ -83,7 +84,16 @@ def test_fixture_records(path):
     with open(path, encoding="utf-8") as f:
         text_format.Merge(f.read(), record)
     assert len(record.record) + len(record.prune_record) > 0
-    same(record)
+    text = same(record)
+    assert record_to_text(record) == text
+
+
+def test_record_to_text_uses_the_fast_printer(monkeypatch):
+    record = ScaleOffsetRecord()
+    record.record.add(key="conv").value.scale_w.extend([0.001, 0.002])
+    want = text_format.MessageToString(record)
+    monkeypatch.setattr(text_format, "MessageToString", lambda *a, **k: pytest.fail("slow printer"))
+    assert file_io.record_to_text(record) == want
 
 
 # -- hand-built ----------------------------------------------------------------------------------
