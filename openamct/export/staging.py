@@ -131,11 +131,26 @@ def stage_export(file: str, path: str, stage: str, external_threshold: int, h) -
     return out
 
 
+def _all_tensors(graph: onnx.GraphProto):
+    """Initializers and tensors held in node attributes (a Constant's value: the exporter
+    moves those out too), subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("g"):
+                yield from _all_tensors(a.g)
+            for g in a.graphs:
+                yield from _all_tensors(g)
+
+
 def _merge_external(proto: onnx.ModelProto, folder: str, data_path: str, location: str, h) -> None:
-    """Copy every external tensor's bytes into ``data_path`` (page-aligned, in initializer
-    order), point the tensors at it, and delete each source file once copied (the exporter
+    """Copy every external tensor's bytes into ``data_path`` (page-aligned, in graph order),
+    point the tensors at it, and delete each source file once copied (the exporter
     writes one per tensor), so the disk never holds the weights twice over."""
-    external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    external = [t for t in _all_tensors(proto.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
     sources = [{e.key: e.value for e in t.external_data} for t in external]
     left = {}
     for info in sources:

@@ -25,7 +25,16 @@ def _exported(tmp_path, per_tensor_files: bool) -> tuple[str, nn.Module, torch.T
     file = export_to_file(model, x, str(folder))
     if per_tensor_files:
         proto = onnx.load(file)
-        onnx.save_model(proto, file, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+        # A Constant's tensor goes out too (the exporter's 1.1B Llama: its rotary constants).
+        out = proto.graph.output[0].name
+        bias = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
+        const = onnx.helper.make_node("Constant", [], ["extra"], value=onnx.numpy_helper.from_array(bias))
+        add = onnx.helper.make_node("Add", [out + "_pre", "extra"], [out])
+        for n in proto.graph.node:
+            n.output[:] = [o + "_pre" if o == out else o for o in n.output]
+        proto.graph.node.extend([const, add])
+        onnx.save_model(proto, file, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0,
+                        convert_attribute=True)
         assert len(os.listdir(folder)) > 2
     return file, model, x
 
@@ -45,10 +54,13 @@ def test_tensor_files_are_merged_into_one_aligned_data_file(tmp_path):
     staged.finish("abc")
     assert sorted(os.listdir(tmp_path)) == ["export", "out.onnx", "out.onnx.data", "stage"]
     proto = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
-    infos = [{e.key: e.value for e in t.external_data} for t in proto.graph.initializer]
+    infos = [{e.key: e.value for e in t.external_data} for t in proto.graph.initializer]  # (the Constant's below)
     assert infos and all(i["location"] == "out.onnx.data" and int(i["offset"]) % 4096 == 0 for i in infos)
     assert {p.key: p.value for p in proto.metadata_props}[SAVE_ID_KEY] == "abc"
-    np.testing.assert_array_equal(_run(str(tmp_path / "out.onnx"), x), _run_direct(model, x, tmp_path))
+    const = next(n for n in proto.graph.node if n.op_type == "Constant").attribute[0].t
+    assert {e.key: e.value for e in const.external_data}["location"] == "out.onnx.data"
+    expected = _run_direct(model, x, tmp_path) + np.linspace(-1, 1, 8, dtype=np.float32)
+    np.testing.assert_allclose(_run(str(tmp_path / "out.onnx"), x), expected, rtol=0, atol=1e-6)
 
 
 def _run_direct(model, x, tmp_path) -> np.ndarray:
