@@ -1,16 +1,16 @@
 """The whole 2:4 + INT8 lifecycle on random-weight Llama models of growing size (issue 19).
 
 create -> 3 training steps (the first computes the masks and initialises the clips; the steady
-step is the faster of the other two) -> eval forward -> save -> ORT load of both files ->
-restore from a checkpoint of the trained model, each step timed and its peak RSS sampled (a
-thread reads /proc/self/statm every 2 ms). Peaks are printed as "above what the process held
-when the step began", divided by the model's weight bytes, so sizes compare directly, and as
-the process's absolute peak. Restore runs after the trained copy is freed, into memory the
-allocator may reuse: its "above" figure is a lower bound, its absolute peak is not. For
-reference, a plain FP32 training step and a plain float ``torch.onnx.export`` (same exporter and
-opset as save) run in separate processes, and so does the acceptance's create -> eval forward ->
-save chain: memory a finished step freed would otherwise be reused by the next one and hide its
-peak. The last lines print each acceptance figure of issue 19 beside its bound.
+step is the faster of the other two) -> eval forward -> record write -> save in one process; then
+ORT load of both files, and restore from a checkpoint of the trained model, each in a fresh
+process (as a resumed job would). Each step is timed and its peak RSS sampled (a thread reads
+/proc/self/statm every 2 ms). Peaks are printed as "above what the process held when the step
+began", divided by the model's weight bytes, so sizes compare directly, and as the process's
+absolute peak. For reference, a plain FP32 training step and a plain float ``torch.onnx.export``
+(same exporter and opset as save) run in separate processes, and so does the acceptance's
+create -> eval forward -> save chain: memory a finished step freed would otherwise be reused by
+the next one and hide its peak. The last line prints each acceptance figure of issue 19 beside
+its bound.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --sizes 1.1b --allow-1b   # needs ~20 GB
@@ -106,7 +106,6 @@ def _step(model, x, opt):
 
 
 def run_lifecycle(size: str, seq: int, folder: str) -> dict:
-    import onnxruntime as ort
     import torch
 
     import openamct as amct
@@ -147,18 +146,32 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     out["save"] = (p.seconds, p.above, p.peak)
     files = sorted(f for f in os.listdir(folder) if f.startswith("llama"))
     out["files"] = {f: os.path.getsize(os.path.join(folder, f)) for f in files}
-    ckpt = os.path.join(folder, "ckpt.pth")
-    torch.save(work.state_dict(), ckpt)
-    del work, opt
-    with Peak() as p:
-        for f in files:
-            if f.endswith(".onnx"):
-                ort.InferenceSession(os.path.join(folder, f), providers=["CPUExecutionProvider"])
-    out["ort_load"] = (p.seconds, p.above, p.peak)
-    with Peak() as p:
-        amct.restore_compressed_retrain_model(model, ids, cfg, rec, ckpt)
-    out["restore"] = (p.seconds, p.above, p.peak)
+    torch.save(work.state_dict(), os.path.join(folder, "ckpt.pth"))  # for the restore part
     return out
+
+
+def run_ort_load(size: str, seq: int, folder: str) -> dict:
+    """Both saved files loaded by ONNX Runtime, each in turn, in a fresh process."""
+    import onnxruntime as ort
+
+    with Peak() as p:
+        for f in sorted(os.listdir(folder)):
+            if f.startswith("llama") and f.endswith(".onnx"):
+                ort.InferenceSession(os.path.join(folder, f), providers=["CPUExecutionProvider"])
+    return {"ort_load": (p.seconds, p.above, p.peak)}
+
+
+def run_restore(size: str, seq: int, folder: str) -> dict:
+    """Restore from the lifecycle's record and checkpoint in a fresh process, as a resumed job
+    does; its peak above the caller's freshly built model."""
+    import openamct as amct
+
+    model = build(size)
+    ids = inputs(seq)
+    with Peak() as p:
+        amct.restore_compressed_retrain_model(model, ids, os.path.join(folder, "cfg.cfg"),
+                                              os.path.join(folder, "record.txt"), os.path.join(folder, "ckpt.pth"))
+    return {"restore": (p.seconds, p.above, p.peak)}
 
 
 def run_chain(size: str, seq: int, folder: str) -> dict:
@@ -214,20 +227,24 @@ def run_export(size: str, seq: int, folder: str) -> dict:
     return {"plain_export": (p.seconds, p.above, p.peak)}
 
 
-PARTS = {"lifecycle": run_lifecycle, "chain": run_chain, "steps": run_steps, "export": run_export}
+PARTS = {"lifecycle": run_lifecycle, "ort_load": run_ort_load, "restore": run_restore, "chain": run_chain,
+         "steps": run_steps, "export": run_export}
 
 
 def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.folder:  # the lifecycle's files, read by the parts after it
+        print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, args.folder)), flush=True)
+        return
     with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:
         print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, folder)), flush=True)
 
 
-def spawn(part: str, size: str, args) -> dict:
+def spawn(part: str, size: str, args, folder: str | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--size", size, "--seq", str(args.seq),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads)] + (["--folder", folder] if folder else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -268,6 +285,7 @@ def main() -> None:
     ap.add_argument("--allow-1b", action="store_true", help="run 1.1b (about 20 GB peak: not on a shared machine)")
     ap.add_argument("--part", choices=tuple(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part:
         child(args)
@@ -280,7 +298,9 @@ def main() -> None:
             raise SystemExit("--sizes 1.1b needs --allow-1b (about 20 GB of memory)")
     results = {}
     for size in sizes:
-        life = spawn("lifecycle", size, args)
+        with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:
+            life = {k: v for part in ("lifecycle", "ort_load", "restore") for k, v in
+                    spawn(part, size, args, folder).items()}
         plain = {k: v for part in ("chain", "steps", "export") for k, v in spawn(part, size, args).items()}
         results[size] = (life, plain)
         report(size, life, plain)

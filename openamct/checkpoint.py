@@ -25,7 +25,12 @@ def read_state_dict(pth_file: str, state_dict_name: str | None) -> Mapping[str, 
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     try:
-        ckpt = torch.load(pth_file, map_location="cpu", weights_only=True)
+        try:
+            # Memory-mapped: a billion-parameter checkpoint is read into the model's own tensors
+            # by load_state_dict, never held whole beside them (issue 19).
+            ckpt = torch.load(pth_file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # a legacy (non-zip) file cannot be mapped; any other fault repeats below
+            ckpt = torch.load(pth_file, map_location="cpu", weights_only=True)
     except Exception as exc:  # whatever the weights-only unpickler raises on a bad file (also IndexError, KeyError, struct.error)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
