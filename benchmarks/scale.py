@@ -105,19 +105,22 @@ def _step(model, x, opt):
     opt.zero_grad(set_to_none=True)
 
 
+def _setup(size: str, seq: int, folder: str):
+    """The caller's model, its inputs, and the config and record paths in ``folder``."""
+    cfg = os.path.join(folder, "cfg.cfg")
+    with open(cfg, "w") as f:
+        f.write(CFG)
+    return build(size), inputs(seq), cfg, os.path.join(folder, "record.txt")
+
+
 def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     import torch
 
     import openamct as amct
 
-    model = build(size)
-    ids = inputs(seq)
+    model, ids, cfg, rec = _setup(size, seq, folder)
     out = {"params": sum(p.numel() for p in model.parameters()), "weights": weight_bytes(model),
            "base_rss": rss()}
-    cfg = os.path.join(folder, "cfg.cfg")
-    with open(cfg, "w") as f:
-        f.write(CFG)
-    rec = os.path.join(folder, "record.txt")
     with Peak() as p:
         work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
     out["create"] = (p.seconds, p.above, p.peak)
@@ -181,12 +184,7 @@ def run_chain(size: str, seq: int, folder: str) -> dict:
 
     import openamct as amct
 
-    model = build(size)
-    ids = inputs(seq)
-    cfg = os.path.join(folder, "cfg.cfg")
-    with open(cfg, "w") as f:
-        f.write(CFG)
-    rec = os.path.join(folder, "record.txt")
+    model, ids, cfg, rec = _setup(size, seq, folder)
     with Peak() as p:
         work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
         work.eval()
