@@ -99,6 +99,15 @@ class ExportLayer(WeightOp):
         self.pre, self.weight_fn, self.post = pre, weight_fn, post
         self.gemm_2d = gemm_2d and self.kind == "linear"
 
+    def __getattr__(self, name: str):
+        # ``weight`` stays readable (float, [out, in]) when it is stored as int8 or transposed:
+        # model code reads it (HF ViT casts its input to ``projection.weight.dtype``, T5 checks
+        # ``wo.weight``). A view of W^T; the dequantized int8 values (computed on access).
+        if name == "weight" and self.__dict__.get("_wname", "weight") != "weight":
+            w = getattr(self, self._wname)
+            return w.t() if self._wname == "weight_t" else self.weight_fn(w)
+        return super().__getattr__(name)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm_2d and x.dim() != 2:
             # [.., K] -> [N', K] before the input Q/DQ, so the deploy model gets DQ -> Gemm -> Q
