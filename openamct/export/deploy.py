@@ -78,7 +78,8 @@ def _weight_dq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightD
 
 def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, tuple[float, float]]:
     """Fold a working copy in place; return the output range (min, max) of each layer with
-    an input quantizer, keyed by its weight initializer name ``<layer>.weight``."""
+    an input quantizer, keyed by the weight initializer its op reads (``<layer>.weight_int8``,
+    or ``<layer>.weight`` where it stays float)."""
     def build(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
         pre = None if parts.input_quant is None else QDQAct(*parts.input_quant)
         post = None if parts.output_quant is None else QDQAct(*parts.output_quant)
@@ -91,7 +92,7 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
     found = fold_layers(model, build, techniques)
     fold_activations(model, QDQAct)
     fold_pools(model)
-    return {f"{n}.weight": p.output_range for n, p in found.items()
+    return {f"{n}.{model.get_submodule(n)._wname}": p.output_range for n, p in found.items()
             if p.output_range is not None and p.input_quant is not None}
 
 
@@ -346,12 +347,11 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             if dq is not None and dq.op_type == "DequantizeLinear":
                 int8 += 1
                 w = dq.input[0]
-            key = w[:-len("_int8")] if w.endswith(".weight_int8") else w
             if g.producer(n.input[0]) is None or g.producer(n.input[0]).op_type != "DequantizeLinear":
                 continue
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
-            obs = observers.get(key) if n.op_type == "Conv" else None
+            obs = observers.get(w) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
         elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):

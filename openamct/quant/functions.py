@@ -261,7 +261,7 @@ class ARQWeightFunction(Function):
 def arq_weight_fake_quant(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1,
                           scales: Tensor | None = None) -> Tensor:
     """``scales``: ``arq_scales`` of this ``w`` when the caller already has them."""
-    if scales is None or graph_mode():
+    if scales is None:
         scales = arq_scales(w, channel_wise, axis, groups)
     if graph_mode() or not (torch.is_grad_enabled() and w.requires_grad):
         return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise)

@@ -172,11 +172,10 @@ class WeightARQ(_WeightQuant):
         return self.channel_wise
 
     def forward(self, w: Tensor) -> Tensor:
-        if graph_mode():
-            return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups)
-        s = arq_scales(w, self.channel_wise, self.axis, self.groups)
-        self.last_scales = s  # for the record (CompressedLayer.weight_scales): not recomputed there
-        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups, s)
+        # Kept for the record (CompressedLayer.weight_scales), which then need not recompute
+        # them; none while tracing, where the scales are part of the graph.
+        self.last_scales = None if graph_mode() else arq_scales(w, self.channel_wise, self.axis, self.groups)
+        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups, self.last_scales)
 
     def scales(self, w: Tensor) -> Tensor:
         return arq_scales(w, self.channel_wise, self.axis, self.groups)
