@@ -21,12 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.clip_grad import input_clip_grad
+from openamct.compressed.fused_linear import fused_ok, masked_quant_linear, release_scratch
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
+from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
 from openamct.quant.functions import graph_mode, ulq_qparams_float
-from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightARQ, WeightULQ
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +132,12 @@ class CompressedLayer(WeightOp):
         recompute the mask)."""
         masks = [getattr(self, n) for n in self.mask_names]
         for m in ([self.sparsity] if self.sparsity is not None else []) + masks:
-            w = m(w) if step else w * (m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
+            if step:
+                w = m(w)
+            elif graph_mode():
+                w = w * (m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
+            else:
+                w = apply_mask(w, m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
         return w
 
     def effective_weight_bias(self) -> tuple[Tensor, Tensor | None]:
@@ -226,6 +233,8 @@ class CompressedLayer(WeightOp):
                 x = self.act_quant(x)
         if self.bn is not None and self.bn.training:
             y = self._forward_fold_train(x, tap)
+        elif tap is None and self._fused_training(x):
+            y = self._forward_fused(x)
         else:
             y = self._op_tap(x, *self.effective_weight_bias(), tap)
         if self.out_observer is not None:
@@ -233,6 +242,30 @@ class CompressedLayer(WeightOp):
         if self.out_quant is not None:
             y = self.out_quant(y)
         return y
+
+    def _fused_training(self, x: Tensor) -> bool:
+        """A training forward of a Linear whose weight path is only a 2:4 mask and/or ARQ:
+        ``fused_linear`` computes it with no weight-sized allocation per step."""
+        sp, q = self.sparsity, self.wts_quant
+        return (self.training and self.kind.startswith("linear") and self.bn is None
+                and not self.mask_names and (sp is not None or q is not None)
+                and (sp is None or type(sp) is NMSparsifier)
+                and (q is None or type(q) is WeightARQ) and fused_ok(x, self.weight))
+
+    def _forward_fused(self, x: Tensor) -> Tensor:
+        w, q = self.weight, self.wts_quant
+        mask = None if self.sparsity is None else self.sparsity.current_mask(w)
+        y, scales = masked_quant_linear(x, w, self.bias, mask, None if q is None else q.channel_wise,
+                                        self.kind == "linear_t")
+        if q is not None:
+            q.last_scales = scales
+            self._scales_seen = (self._weight_key(), scales)
+        return y
+
+    def train(self, mode: bool = True) -> CompressedLayer:
+        if not mode:  # eval and export need no training scratch: give its memory back
+            release_scratch()
+        return super().train(mode)
 
     def _op_tap(self, x: Tensor, w: Tensor, b: Tensor | None, tap) -> Tensor:
         y = self._op(x, w, b)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps, temp_prefix
+from openamct.compressed.fused_linear import release_scratch
 from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import compressed_layers, export_parts, working_copy
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
@@ -124,6 +125,7 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     clean_stale_temps(folder)
     if os.path.dirname(os.path.abspath(deploy_path)) != folder:
         clean_stale_temps(os.path.dirname(os.path.abspath(deploy_path)))
+    release_scratch()  # the training step's effective-weight scratch: the next step re-maps it
     probe = working_copy(model)
     quantized = any(export_parts(layer, techniques).quantized for layer in compressed_layers(probe).values())
     if not quantized:

@@ -341,3 +341,25 @@ def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, 
         allowed = compute_nm_mask(keep.float(), axis, 2, 4, groups=groups, as_bool=True)
         assert excess_over_2_of_4(keep, axis, groups) == int((keep & ~allowed).sum())
     assert excess_over_2_of_4(compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True), axis, groups) == 0
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.Linear(18, 10), nn.Conv2d(10, 6, 3), nn.ConvTranspose2d(12, 6, 3, groups=2)],
+    ids=["linear", "conv2d", "grouped-convtranspose"],
+)
+def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer, monkeypatch):
+    import openamct.prune.nm as nm
+
+    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 16)  # several slices, the last one short
+    torch.manual_seed(3)
+    sp = NMSparsifier.from_module(layer, update_freq=1).train()
+    w = layer.weight.detach()
+    sp(w)
+    ref = compute_nm_mask(w, nm_axis(layer), groups=nm_groups(layer), as_bool=True)
+    assert torch.equal(sp.mask, ref)
+    assert sp.version == 1
+    w2 = torch.randn_like(w)
+    sp(w2)
+    assert torch.equal(sp.mask, compute_nm_mask(w2, nm_axis(layer), groups=nm_groups(layer), as_bool=True))
+    assert sp.version == 2  # one recompute that changed bits in several slices: one change

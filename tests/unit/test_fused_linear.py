@@ -1,0 +1,133 @@
+"""The fused training path of a compressed Linear (compressed/fused_linear.py): the same
+numbers as the composed mask -> ARQ -> F.linear path, and no weight-sized allocation per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from openamct.compressed import fused_linear
+from openamct.compressed.fused_linear import masked_quant_linear
+from openamct.compressed.layer import CompressedLayer
+from openamct.prune.nm import NMSparsifier, _MaskSTE, apply_mask, compute_nm_mask
+from openamct.quant.functions import arq_weight_fake_quant
+from openamct.quant.quantizers import WeightARQ
+
+
+def _composed(x, w, b, mask, channel_wise, transposed):
+    wm = w if mask is None else _MaskSTE.apply(w, mask)
+    wq = wm if channel_wise is None else arq_weight_fake_quant(wm, channel_wise, int(transposed))
+    return nn.functional.linear(x, wq.t() if transposed else wq, b)
+
+
+CASES = [  # x shape, transposed, bias, masked, channel_wise
+    ((2, 7, 64), False, True, True, True),
+    ((5, 64), False, False, True, True),
+    ((3, 64), True, True, True, True),
+    ((2, 9, 64), True, False, True, False),
+    ((2, 9, 64), False, True, True, None),
+    ((4, 64), False, True, False, True),
+]
+
+
+@pytest.mark.parametrize("shape,transposed,bias,masked,channel_wise", CASES)
+def test_outputs_and_gradients_are_bit_identical_to_the_composed_path(shape, transposed, bias, masked,
+                                                                        channel_wise):
+    g = torch.Generator().manual_seed(1)
+    out_f = 96
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(*((64, out_f) if transposed else (out_f, 64)), generator=g, requires_grad=True)
+    b = torch.randn(out_f, generator=g, requires_grad=True) if bias else None
+    mask = compute_nm_mask(w.detach(), 0 if transposed else 1, as_bool=True) if masked else None
+    dy = torch.randn(*shape[:-1], out_f, generator=g)
+    inputs = [x, w] + ([b] if bias else [])
+    y_ref = _composed(x, w, b, mask, channel_wise, transposed)
+    ref = torch.autograd.grad(y_ref, inputs, dy)
+    y, scales = masked_quant_linear(x, w, b, mask, channel_wise, transposed)
+    got = torch.autograd.grad(y, inputs, dy)
+    assert torch.equal(y, y_ref)
+    for a, r in zip(got, ref):
+        assert torch.equal(a, r)
+    assert (scales is None) == (channel_wise is None)
+
+
+def test_a_backward_after_a_later_forward_recomputes_its_own_weight():
+    # Layers share one scratch: the first one's backward must not read what the second wrote.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 32, generator=g)
+    w1 = torch.randn(48, 32, generator=g, requires_grad=True)
+    w2 = (torch.randn(48, 32, generator=g) * 5).requires_grad_(True)
+    x1 = x.clone().requires_grad_(True)
+    y1, _ = masked_quant_linear(x1, w1, None, None, True, False)
+    y2, _ = masked_quant_linear(x, w2, None, None, True, False)
+    (gx1,) = torch.autograd.grad(y1.sum(), [x1])
+    x_ref = x.clone().requires_grad_(True)
+    (gx_ref,) = torch.autograd.grad(_composed(x_ref, w1, None, None, True, False).sum(), [x_ref])
+    assert torch.equal(gx1, gx_ref)
+    assert y2.shape == y1.shape
+
+
+def _layer() -> CompressedLayer:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    return CompressedLayer.wrap(lin, sparsity=NMSparsifier.from_module(lin, 0), wts_quant=WeightARQ(True))
+
+
+def _scratch_ptrs() -> set[int]:
+    return {t.data_ptr() for t in fused_linear._scratch.tensors.values()}
+
+
+def test_training_steps_reuse_one_scratch_and_eval_gives_it_back():
+    layer = _layer().train()
+    x = torch.randn(4, 64)
+    fused_linear.release_scratch()
+    layer(x).sum().backward()
+    ptrs = _scratch_ptrs()
+    assert len(ptrs) == 1  # the layer ran the fused path
+    layer.zero_grad(set_to_none=True)
+    layer(x).sum().backward()
+    assert _scratch_ptrs() == ptrs  # no new weight-sized tensor
+    assert layer.weight_scales() is layer.wts_quant.last_scales  # the record reuses the step's scales
+    assert not any("scratch" in k for k in layer.state_dict())
+    layer.eval()
+    assert not fused_linear._scratch.tensors
+
+
+def test_the_fused_step_trains_like_the_composed_one():
+    fused, composed = _layer().train(), _layer().train()
+    x = torch.randn(8, 64)
+    fused_linear.release_scratch()
+    fused(x).square().sum().backward()
+    assert fused_linear._scratch.tensors  # the fused path ran
+    w, mask = composed.weight, composed.sparsity.current_mask(composed.weight)
+    _composed(x, w, composed.bias, mask, True, False).square().sum().backward()
+    assert torch.equal(fused.weight.grad, composed.weight.grad)
+    assert torch.equal(fused.bias.grad, composed.bias.grad)
+
+
+def test_apply_mask_is_w_times_mask_bit_for_bit():
+    w = torch.tensor([[-1.5, 2.0, float("nan"), -0.0], [3.0, -4.0, float("inf"), 1.0]])
+    mask = torch.tensor([[False, True, False, True], [True, False, False, True]])
+    got, ref = apply_mask(w, mask), w * mask
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # -0.0 and NaN included
+    out = torch.empty_like(w)
+    assert apply_mask(w, mask, out) is out
+    fmask = mask.float()
+    assert torch.equal(apply_mask(w, fmask).view(torch.int32), (w * fmask).view(torch.int32))
+
+
+def test_model_code_may_modify_the_output_in_place():
+    # HF Wav2Vec2 adds to a projection's output in place; a custom Function's output that is a
+    # view cannot be (autograd refuses), so the 3-D case must not return one.
+    fused, composed = _layer().train(), _layer().train()
+    x = torch.randn(2, 5, 64)
+    y = fused(x)
+    y += 1.0
+    y.square().sum().backward()
+    mask = composed.sparsity.current_mask(composed.weight)
+    y_ref = _composed(x, composed.weight, composed.bias, mask, True, False)
+    y_ref += 1.0
+    y_ref.square().sum().backward()
+    assert torch.equal(y, y_ref)
+    assert torch.equal(fused.weight.grad, composed.weight.grad)
