@@ -191,3 +191,18 @@ def test_nan_weights_and_data_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"layer 'conv': its input batch holds NaN/inf values, so its activation "
                                          r"clips cannot be initialised"):
         m(bad)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_the_finite_check_sees_every_nan_and_inf_and_only_those(bad):
+    from openamct._checks import all_finite
+
+    t = torch.full((3, 1 << 20), 3e38)  # finite values whose sum overflows: checked value by value
+    assert all_finite(t)
+    assert all_finite(torch.randn(5, 7)) and all_finite(torch.empty(0))
+    if bad is not None:
+        t[2, 12345] = bad
+        assert not all_finite(t)
+        small = torch.randn(4, 4)
+        small[1, 2] = bad
+        assert not all_finite(small)
