@@ -102,10 +102,18 @@ class _MaskedQuantLinear(Function):
         return gx, gw, gb, None, None, None
 
 
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 has no device argument
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
 def fused_ok(x: Tensor, w: Tensor) -> bool:
-    """Eager CPU/accelerator training forward on a plain float weight."""
+    """Eager training forward on a plain float weight, outside autocast (whose casts the
+    composed path's autograd carries through backward, and this Function would not)."""
     return (torch.is_grad_enabled() and w.requires_grad and w.is_floating_point()
-            and x.dim() >= 1 and not graph_mode())
+            and x.dim() >= 1 and not graph_mode() and not _autocast_on(x.device.type))
 
 
 def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,

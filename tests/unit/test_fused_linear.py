@@ -131,3 +131,15 @@ def test_model_code_may_modify_the_output_in_place():
     y_ref.square().sum().backward()
     assert torch.equal(y, y_ref)
     assert torch.equal(fused.weight.grad, composed.weight.grad)
+
+
+def test_training_under_autocast_takes_the_composed_path():
+    layer = _layer().train()
+    x = torch.randn(2, 5, 64)
+    fused_linear.release_scratch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16
+    assert layer.weight.grad.dtype == torch.float32 and bool(layer.weight.grad.abs().sum() > 0)
+    assert not fused_linear._scratch.tensors
