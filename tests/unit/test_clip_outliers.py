@@ -57,3 +57,19 @@ def test_clean_data_keeps_its_range_and_tiny_tensors_their_true_extremes():
     assert clip_init.percentile_max_min(t) == (9.0, -0.25)  # under 1024 values nothing is ignored
     assert clip_init.ignored_count(10) == 0 and clip_init.ignored_count(8192) == 8 and clip_init.ignored_count(2048) == 2
     assert clip_init.ignored_count(20_000_000) == 19
+
+
+def test_the_mse_of_each_candidate_is_the_quantizers_error_bit_for_bit():
+    from openamct.quant import clip_init
+    from openamct.quant.functions import LEVELS, QMAX, QMIN, SCALE_EPS
+
+    torch.manual_seed(4)
+    x = torch.cat([torch.randn(3000) * 3, torch.tensor([0.0, -0.0, 1e30, -1e30])])
+    cmax = torch.linspace(0.5, 9.0, 61)
+    cmin = -torch.linspace(0.0, 7.0, 61)
+    got = clip_init._mse(x, cmax, cmin)
+    scale = ((cmax - cmin) / LEVELS).clamp(min=SCALE_EPS)
+    zp = torch.round(QMIN - cmin / scale).clamp(QMIN, QMAX)
+    ref = torch.stack([((torch.round(x / s) + z).clamp(QMIN, QMAX) - z).mul(s).sub(x).square().mean()
+                       for s, z in zip(scale, zp)])
+    assert torch.equal(got, ref)
