@@ -132,12 +132,7 @@ class CompressedLayer(WeightOp):
         recompute the mask)."""
         masks = [getattr(self, n) for n in self.mask_names]
         for m in ([self.sparsity] if self.sparsity is not None else []) + masks:
-            if step:
-                w = m(w)
-            elif graph_mode():
-                w = w * (m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
-            else:
-                w = apply_mask(w, m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
+            w = m(w) if step else apply_mask(w, m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
         return w
 
     def effective_weight_bias(self) -> tuple[Tensor, Tensor | None]:

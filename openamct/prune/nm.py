@@ -185,7 +185,10 @@ def nm_eligible(module: nn.Module) -> tuple[bool, str]:
 def apply_mask(w: Tensor, mask: Tensor, out: Tensor | None = None) -> Tensor:
     """``w * mask`` (bit for bit, -0.0 and NaN included), into ``out`` when given. A bool mask
     is first widened into the result buffer: torch multiplies a float tensor by a bool one
-    through a float copy of the mask, 4x slower than this on a 46 MB weight (issue 19)."""
+    through a float copy of the mask, 4x slower than this on a 46 MB weight (issue 19). While a
+    graph is captured it is the plain ``Mul`` the exported model should hold."""
+    if graph_mode():
+        return w * mask
     if out is None:
         out = torch.empty_like(w, memory_format=torch.contiguous_format)
     if mask.dtype == torch.bool:
@@ -289,9 +292,7 @@ class NMSparsifier(nn.Module):
 
     def forward(self, w: Tensor) -> Tensor:
         mask = self.current_mask(w)
-        if graph_mode():  # a plain Mul in the captured graph
-            return w * mask
-        if torch.is_grad_enabled() and w.requires_grad:
+        if torch.is_grad_enabled() and w.requires_grad and not graph_mode():
             return _MaskSTE.apply(w, mask)
         return apply_mask(w, mask)
 
