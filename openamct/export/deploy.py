@@ -76,7 +76,7 @@ def _weight_dq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightD
     return WeightDQ(scales, axis)
 
 
-def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, tuple[float, float]]:
+def fold_deploy(model: nn.Module, techniques: Sequence[Technique], defer: bool = True) -> dict[str, tuple[float, float]]:
     """Fold a working copy in place; return the output range (min, max) of each layer with
     an input quantizer, keyed by the weight initializer its op reads (``<layer>.weight_int8``,
     or ``<layer>.weight`` where it stays float)."""
@@ -86,10 +86,10 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique]) -> dict[str, 
         dq = _weight_dq(layer, w, parts)
         extras = {"pre": pre, "weight_fn": dq, "gemm_2d": True, "post": post}
         if dq is not None:
-            extras["weight"] = dq.quantize(w)
+            extras["quantize"] = dq
         return extras
 
-    found = fold_layers(model, build, techniques)
+    found = fold_layers(model, build, techniques, defer)
     fold_activations(model, QDQAct)
     fold_pools(model)
     return {f"{n}.{model.get_submodule(n)._wname}": p.output_range for n, p in found.items()

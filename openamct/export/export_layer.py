@@ -21,6 +21,7 @@ from torch.autograd import Function
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
+from openamct.export.deferred import DeferredWeight, placeholder_value
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
@@ -31,7 +32,7 @@ from openamct.techniques.base import ExportParts, Technique
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExportLayer", "QDQAct", "WeightDQ", "working_copy", "compressed_layers",
-           "export_parts", "fold_layers", "fold_activations"]
+           "export_parts", "fold_layers", "fold_activations", "deferred_weights"]
 
 
 def working_copy(model: nn.Module) -> nn.Module:
@@ -93,8 +94,11 @@ class ExportLayer(WeightOp):
         self.copy_op_attrs(layer)
         # An int8 weight (the deploy model's) is stored as ``weight_int8``, the initializer name
         # the deploy file has always used; ``weight_fn`` dequantizes it.
-        self._wname = "weight" if weight.is_floating_point() else "weight_int8"
-        self.register_parameter(self._wname, nn.Parameter(weight.detach().clone(), requires_grad=False))
+        self._deferred = weight if isinstance(weight, DeferredWeight) else None
+        self._wname = "weight" if weight.dtype.is_floating_point else "weight_int8"
+        self._path = ""  # the layer's name in the model (fold_layers): its deferred weight's key
+        if self._deferred is None:
+            self.register_parameter(self._wname, nn.Parameter(weight.detach().clone(), requires_grad=False))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.pre, self.weight_fn, self.post = pre, weight_fn, post
         self.gemm_2d = gemm_2d and self.kind == "linear"
@@ -102,18 +106,34 @@ class ExportLayer(WeightOp):
     def __getattr__(self, name: str):
         # ``weight`` stays readable (float, [out, in]) when it is stored as int8 or transposed:
         # model code reads it (HF ViT casts its input to ``projection.weight.dtype``, T5 checks
-        # ``wo.weight``). A view of W^T; the dequantized int8 values (computed on access).
-        if name == "weight" and self.__dict__.get("_wname", "weight") != "weight":
-            w = getattr(self, self._wname)
-            return w.t() if self._wname == "weight_t" else self.weight_fn(w)
+        # ``wo.weight``). A view of W^T; the dequantized int8 values (computed on access). A
+        # deferred weight is computed on access too, under either name.
+        d = self.__dict__
+        wname = d.get("_wname", "weight")
+        if d.get("_deferred") is not None and name == wname:
+            return d["_deferred"].compute()
+        if name == "weight" and (wname != "weight" or d.get("_deferred") is not None):
+            w = getattr(self, wname)
+            return w.t() if wname == "weight_t" else w if wname == "weight" else self.weight_fn(w)
         return super().__getattr__(name)
+
+    def _stored(self) -> Tensor:
+        """The stored weight as the op reads it: while tracing, a deferred one is a placeholder."""
+        if self._deferred is not None and torch.jit.is_tracing():
+            return placeholder_value(self._deferred, f"{self._path}.{self._wname}")
+        return getattr(self, self._wname)
+
+    def _stored_shape(self) -> tuple[int, ...]:
+        if self._deferred is not None:
+            return self._deferred.stored_shape
+        return tuple(getattr(self, self._wname).shape)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm_2d and x.dim() != 2:
             # [.., K] -> [N', K] before the input Q/DQ, so the deploy model gets DQ -> Gemm -> Q
             # (QGemm, int32 bias inside) instead of MatMul + float bias Add.
             # Constant widths: a Shape of the output would force ORT to dequantize it.
-            shape = getattr(self, self._wname).shape
+            shape = self._stored_shape()
             y = self._forward(x.reshape(-1, shape[1]))
             return y.reshape(*x.shape[:-1], shape[0])
         return self._forward(x)
@@ -123,7 +143,7 @@ class ExportLayer(WeightOp):
             x = self.pre(x)
         if self._wname == "weight" and self._exports_transposed(x) and not torch.jit.is_tracing():
             self._store_transposed()
-        w = getattr(self, self._wname)
+        w = self._stored()
         w = w if self.weight_fn is None else self.weight_fn(w)
         if self._wname == "weight_t":
             if not self._exports_transposed(x):
@@ -146,9 +166,12 @@ class ExportLayer(WeightOp):
         Transpose(W) into a new initializer, a second copy of every such weight while it runs
         (issue 19: a Llama's every Linear). Done at the first eager call (``export_signature``
         runs one before tracing); the file gets the same MatMul and Add as before."""
-        wt = self.weight.t().contiguous()
-        del self.weight
-        self.register_parameter("weight_t", nn.Parameter(wt, requires_grad=False))
+        if self._deferred is not None:
+            self._deferred.transposed = True
+        else:
+            wt = self.weight.t().contiguous()
+            del self.weight
+            self.register_parameter("weight_t", nn.Parameter(wt, requires_grad=False))
         self._wname = "weight_t"
 
 
@@ -221,26 +244,50 @@ Builder = Callable[[str, CompressedLayer, Tensor, ExportParts], dict]
 
 
 @torch.no_grad()
-def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique]) -> dict[str, ExportParts]:
+def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique],
+                defer: bool = True) -> dict[str, ExportParts]:
     """Replace every CompressedLayer of ``model`` (a working copy) in place by
     an ExportLayer of the same class with ``build(name, layer, weight, parts)``'s extras;
-    return each layer's ExportParts."""
+    return each layer's ExportParts. A ``quantize`` extra (a ``WeightDQ``) stores the weight
+    as int8. With ``defer`` the weights are not held but computed when read (deferred.py):
+    the layers then read the working copy's compressed layers, so keep that copy unchanged."""
     found = compressed_layers(model)
     if "" in found:
         raise ValueError("model: the root module itself is a compressed layer; wrap it in a container")
     out = {}
     for name, layer in found.items():
         layer.eval()
-        w, b = layer.effective_weight_bias()
+        w, b = layer.effective_weight_bias()  # the bias needs the weight's scales
         if layer.kind == "linear_t":
             w = w.t()  # exported as a Linear, so ONNX Runtime runs it as QGemm like any other
         parts = out[name] = export_parts(layer, techniques)
         extras = build(name, layer, w, parts)
-        weight = extras.pop("weight", None)  # the deploy model's int8 values
-        new = as_layer_class(ExportLayer, type(layer))(layer, w.detach().float() if weight is None else weight,
-                                                         None if b is None else b.detach().float(), **extras)
+        quantize = extras.pop("quantize", None)
+        if defer:
+            weight = DeferredWeight(layer, tuple(w.shape), quantize)
+        else:
+            weight = w.detach().float() if quantize is None else quantize.quantize(w)
+        del w
+        new = as_layer_class(ExportLayer, type(layer))(layer, weight, None if b is None else b.detach().float(),
+                                                         **extras)
+        new._path = name
         set_module(model, name, new)
     return out
+
+
+def deferred_weights(model: nn.Module) -> tuple[dict[str, DeferredWeight], list[str]]:
+    """Each folded layer's deferred weight, by the name its placeholder exports under; and the
+    order the exporter gives initializers (the state dict's, a deferred weight in the place of
+    the parameter it replaces: its layer's first), so the file's order does not move."""
+    found, order = {}, []
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, ExportLayer) and m._deferred is not None:
+            found[prefix + m._wname] = m._deferred
+            order.append(prefix + m._wname)
+        order.extend(prefix + n for n, p in m._parameters.items() if p is not None)
+        order.extend(prefix + n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set)
+    return found, order
 
 
 def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) -> int:

@@ -1,19 +1,19 @@
 """Stage the two files of one save on disk, then stamp them with the pair's id and move them
-into place (issue 19: at most one model's proto in memory, and the fake-quant model's weights
-never loaded back at all).
+into place (issue 19: at most one model's proto in memory, and no folded weight held beyond
+the one being written).
 
 Two ways in:
-- ``Staged(proto, ...)``: a model built in memory (the deploy model after its post-pass).
-- ``stage_export(file, ...)``: a file the exporter wrote (the fake-quant model). Below 2 GB
-  it is used as written; above, the exporter writes one file per tensor, and these are
-  concatenated, one tensor at a time, into the single ``<file>.data`` that save promises.
+- ``Staged(proto, ...)``: a model built whole in memory.
+- ``stage_streamed(proto, deferred, ...)``: a model exported with placeholder weights
+  (``deferred.py``); each weight is computed and written one at a time. Below 2 GB each goes
+  into the model file as a serialised ``ModelProto`` of its own holding just that initializer,
+  which protobuf's merge rule appends to the graph; above, into ``<file>.data``, page-aligned.
 
-The save id goes in last: appending a serialized ``ModelProto`` that holds only the
-``metadata_props`` entry to the file is protobuf's merge, and gives the same bytes as
-serializing the stamped proto as long as ``metadata_props`` (field 14) is the last field
-present. That holds for the TorchScript exporter's models, which never carry ``training_info``
-or ``functions`` here (no onnxscript functions, no ``export_modules_as_functions``); a proto
-that has them is kept and written whole at the end.
+The save id goes in last, the same way: a serialized ``ModelProto`` that holds only the
+``metadata_props`` entry, appended to the file. The TorchScript exporter's models never carry
+``training_info`` or ``functions`` here (no onnxscript functions, no
+``export_modules_as_functions``); a proto given whole that has them is kept and written whole
+at the end.
 """
 
 from __future__ import annotations
@@ -22,17 +22,19 @@ import logging
 import os
 import shutil
 
+import numpy as np
 import onnx
+import torch
 
 from openamct._atomic import atomic_path
+from openamct.export.deferred import DeferredWeight, strip_placeholders
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAVE_ID_KEY", "Staged", "stage_export", "tensor_bytes", "hash_model"]
+__all__ = ["SAVE_ID_KEY", "Staged", "stage_streamed", "tensor_bytes", "hash_model"]
 
 SAVE_ID_KEY = "openamct_save_id"  # metadata_props key: the two files of one save carry one id
 _ALIGN = 4096  # external tensors start on a page: ONNX Runtime can map them instead of reading
-_CHUNK = 1 << 24
 
 
 def tensor_bytes(model: onnx.ModelProto) -> int:
@@ -49,13 +51,6 @@ def hash_model(h, model: onnx.ModelProto) -> None:
         h.update(t.name.encode())
         h.update(repr(tuple(t.dims)).encode())
         h.update(t.raw_data)
-    h.update(b"\0")
-
-
-def _hash_file(h, path: str) -> None:
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
     h.update(b"\0")
 
 
@@ -109,31 +104,133 @@ class Staged:
             logger.info("%s: written with external data %s", self.path, self.base + ".data")
 
 
-def stage_export(file: str, path: str, stage: str, external_threshold: int, h) -> Staged:
-    """Stage the exporter's ``file`` (alone in its folder, with its tensor files if any) as
-    ``path``, feeding its content into ``h``."""
-    folder = os.path.dirname(file)
-    tensor_files = [f for f in os.listdir(folder) if f != os.path.basename(file)]
-    if not tensor_files and os.path.getsize(file) > external_threshold:
-        # Written whole but above our threshold (tests, or the last 64 MB below 2 GB): convert.
-        return Staged(onnx.load(file), path, stage, external_threshold, h)
+def stage_streamed(model: onnx.ModelProto, deferred: dict[str, DeferredWeight], order: list[str], path: str,
+                   stage: str, external_threshold: int, h) -> Staged:
+    """Stage ``model`` (its placeholder nodes bound, ``deferred.bind_placeholders``) as ``path``,
+    with each deferred weight computed and written one at a time, as an initializer of that
+    name, placed among the others by ``order`` (``export_layer.deferred_weights``); feeds the
+    content into ``h``. Memory: the model without those weights, plus one of them."""
+    strip_placeholders(model)
     out = Staged(None, path, stage, external_threshold)
-    if not tensor_files:
-        shutil.move(file, out.staged)
-        _hash_file(h, out.staged)
+    out.external = tensor_bytes(model) + sum(d.nbytes for d in deferred.values()) > external_threshold
+    hash_model(h, model)
+    g = model.graph
+    if out.external:
+        with open(os.path.join(stage, out.base + ".data"), "wb") as data:
+            writer = _DataWriter(data, out.base + ".data")
+            for t in _all_tensors(g):
+                if len(t.raw_data) > 1024:
+                    writer.move_out(t)
+            kept = {t.name: t.SerializeToString() for t in g.initializer}  # small now
+            del g.initializer[:]
+            for name in _merged_order(list(kept), deferred, order):
+                if name in kept:
+                    g.initializer.add().ParseFromString(kept.pop(name))
+                else:
+                    stub = _header(name, deferred[name])
+                    writer.write(stub, _computed(deferred[name], name, h))
+                    g.initializer.append(stub)
+        with open(out.staged, "wb") as f:
+            f.write(model.SerializeToString())
         return out
-    proto = onnx.load(file, load_external_data=False)
-    _merge_external(proto, folder, os.path.join(stage, out.base + ".data"), out.base + ".data", h)
-    hash_model(h, proto)
+    kept = {t.name: t.SerializeToString() for t in g.initializer}
+    del g.initializer[:]
     with open(out.staged, "wb") as f:
-        f.write(proto.SerializeToString())
-    out.external = True
+        f.write(model.SerializeToString())
+        # Each initializer after the model as a ModelProto{graph{initializer: [tensor]}} of its
+        # own: a parser merges repeated occurrences of the (singular) graph field and appends
+        # to its repeated initializers in file order (protobuf's merge rule), so the file reads
+        # as the one model, initializers in ``order``.
+        for name in _merged_order(list(kept), deferred, order):
+            if name in kept:
+                tensor = kept.pop(name)
+                f.write(_graph_chunk(len(tensor)) + tensor)
+                continue
+            header = _header(name, deferred[name]).SerializeToString()
+            raw = _computed(deferred[name], name, h)
+            n = raw.nbytes
+            tail = b"\x4a" + _varint(n)  # raw_data, field 9
+            f.write(_graph_chunk(len(header) + len(tail) + n) + header + tail)
+            f.write(raw.data)
     return out
 
 
+def _graph_chunk(tensor_len: int) -> bytes:
+    """The bytes before a serialized TensorProto of ``tensor_len`` bytes that make it
+    ModelProto.graph (field 7) .initializer (field 5)."""
+    graph_len = 1 + len(_varint(tensor_len)) + tensor_len
+    return b"\x3a" + _varint(graph_len) + b"\x2a" + _varint(tensor_len)
+
+
+def _merged_order(kept: list[str], deferred: dict[str, DeferredWeight], order: list[str]) -> list[str]:
+    """``kept`` in its order, each deferred weight just before the first kept initializer that
+    ``order`` puts after it (the rest, e.g. the exporter's folded constants, stay where they are)."""
+    pos = {n: i for i, n in enumerate(order)}
+    pending = sorted(deferred, key=lambda n: pos.get(n, len(pos)))
+    out = []
+    for name in kept:
+        if name in pos:
+            while pending and pos.get(pending[0], len(pos)) < pos[name]:
+                out.append(pending.pop(0))
+        out.append(name)
+    return out + pending
+
+
+_ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int8: onnx.TensorProto.INT8}
+
+
+def _header(name: str, d: DeferredWeight) -> onnx.TensorProto:
+    return onnx.TensorProto(name=name, dims=list(d.stored_shape), data_type=_ONNX_TYPES[d.dtype])
+
+
+def _computed(d: DeferredWeight, name: str, h) -> np.ndarray:
+    t = d.compute()
+    if tuple(t.shape) != d.stored_shape or t.dtype != d.dtype:
+        raise ValueError(f"export: folded weight {name!r} came out {tuple(t.shape)} {t.dtype}, "
+                         f"traced as {d.stored_shape} {d.dtype}")
+    raw = t.numpy()
+    h.update(name.encode())
+    h.update(repr(tuple(raw.shape)).encode())
+    h.update(raw.data)
+    return raw
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class _DataWriter:
+    """Appends tensors to one ``.data`` file, each on a page boundary, and points them at it."""
+
+    def __init__(self, f, location: str) -> None:
+        self.f, self.location, self.offset = f, location, 0
+
+    def write(self, tensor: onnx.TensorProto, raw) -> None:
+        pad = -self.offset % _ALIGN
+        self.f.write(bytes(pad))
+        self.offset += pad
+        length = memoryview(raw).nbytes
+        self.f.write(raw.data if isinstance(raw, np.ndarray) else raw)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self.offset += length
+
+    def move_out(self, tensor: onnx.TensorProto) -> None:
+        raw = tensor.raw_data
+        tensor.ClearField("raw_data")
+        self.write(tensor, raw)
+
+
 def _all_tensors(graph: onnx.GraphProto):
-    """Initializers and tensors held in node attributes (a Constant's value: the exporter
-    moves those out too), subgraphs included."""
+    """Initializers and tensors held in node attributes (a Constant's value), subgraphs included."""
     yield from graph.initializer
     for node in graph.node:
         for a in node.attribute:
@@ -144,40 +241,3 @@ def _all_tensors(graph: onnx.GraphProto):
                 yield from _all_tensors(a.g)
             for g in a.graphs:
                 yield from _all_tensors(g)
-
-
-def _merge_external(proto: onnx.ModelProto, folder: str, data_path: str, location: str, h) -> None:
-    """Copy every external tensor's bytes into ``data_path`` (page-aligned, in graph order),
-    point the tensors at it, and delete each source file once copied (the exporter
-    writes one per tensor), so the disk never holds the weights twice over."""
-    external = [t for t in _all_tensors(proto.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
-    sources = [{e.key: e.value for e in t.external_data} for t in external]
-    left = {}
-    for info in sources:
-        left[info["location"]] = left.get(info["location"], 0) + 1
-    offset = 0
-    with open(data_path, "wb") as out:
-        for t, info in zip(external, sources):
-            pad = -offset % _ALIGN
-            out.write(bytes(pad))
-            offset += pad
-            src = os.path.join(folder, info["location"])
-            remaining = int(info["length"]) if "length" in info else os.path.getsize(src) - int(info.get("offset", 0))
-            length = remaining
-            with open(src, "rb") as f:
-                f.seek(int(info.get("offset", 0)))
-                while remaining > 0:
-                    chunk = f.read(min(_CHUNK, remaining))
-                    if not chunk:
-                        raise ValueError(f"export: tensor file {info['location']!r} is shorter than its tensor")
-                    out.write(chunk)
-                    h.update(chunk)
-                    remaining -= len(chunk)
-            left[info["location"]] -= 1
-            if not left[info["location"]]:
-                os.remove(src)
-            del t.external_data[:]
-            for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, value
-            offset += length

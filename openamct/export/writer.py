@@ -30,11 +30,17 @@ from torch import nn
 
 from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps, temp_prefix
 from openamct.compressed.fused_linear import release_scratch
+from openamct.export.deferred import bind_placeholders
 from openamct.export.deploy import finish_deploy, fold_deploy
-from openamct.export.export_layer import compressed_layers, export_parts, working_copy
+from openamct.export.export_layer import (
+    compressed_layers,
+    deferred_weights,
+    export_parts,
+    working_copy,
+)
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
 from openamct.export.signature import export_signature
-from openamct.export.staging import SAVE_ID_KEY, Staged, hash_model, stage_export, tensor_bytes
+from openamct.export.staging import SAVE_ID_KEY, Staged, hash_model, stage_streamed, tensor_bytes
 from openamct.graph.capture import split_input_data
 from openamct.techniques import TECHNIQUES, Technique
 
@@ -142,38 +148,46 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         logger.info("no quantized layer: wrote the same float model to %s and %s", fake_path, deploy_path)
         return
     # Both models are built before either file is moved into place: a failure leaves the old
-    # pair. Each is staged on disk as soon as it is built, so at most one proto is in memory,
-    # and the fake-quant model's (its weights are float) is never loaded at all.
+    # pair. Each is staged on disk as soon as it is exported, its weights computed one layer at
+    # a time while they are written (deferred.py), so no folded weight is held beyond one.
     import hashlib
 
     h = hashlib.sha256()
     with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
         io = {k: v for k, v in names.items() if k != "work_dir"}
-        fstage = os.path.join(stage, "fake")  # the exporter's own folder: tensor files land there
-        os.mkdir(fstage)
         fake = fold_fake_quant(probe, techniques)
         del probe
-        logger.debug("fake-quant model folded")
-        file = export_to_file(fake, input_data, fstage, **io)
+        staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
         del fake
         gc.collect()  # the working copy's module tree has cycles: free it before the next one
-        logger.debug("fake-quant model exported")
-        staged = [stage_export(file, fake_path, stage, external_threshold, h)]
-        logger.debug("fake-quant model staged")
         work = working_copy(model)
         observers = fold_deploy(work, techniques)
         logger.debug("deploy model folded")
-        dstage = os.path.join(stage, "deploy")  # the two files may share a name in two folders
-        os.mkdir(dstage)
-        file = export_to_file(work, input_data, dstage, **io)
+        staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
+                                       lambda proto: finish_deploy(proto, observers)))
         del work
         gc.collect()
-        logger.debug("deploy model exported")
-        deploy = finish_deploy(onnx.load(file, load_external_data=True), observers)
-        os.remove(file)
-        staged.append(Staged(deploy, deploy_path, dstage, external_threshold, h))
-        del deploy
         save_id = h.hexdigest()[:32]
         for item in staged:
             item.finish(save_id)
     logger.info("wrote %s and %s", fake_path, deploy_path)
+
+
+def _export_streamed(model: nn.Module, input_data: Any, path: str, stage: str, kind: str, io: dict,
+                     external_threshold: int, h, post=None) -> Staged:
+    """Export a folded model with placeholder weights, run ``post`` on the (small) proto, and
+    stage it with its weights written one at a time."""
+    folder = os.path.join(stage, kind)  # the exporter's own folder; the two files may share a name
+    os.mkdir(folder)
+    file = export_to_file(model, input_data, folder, **io)
+    proto = onnx.load(file, load_external_data=True)
+    for name in os.listdir(folder):
+        os.remove(os.path.join(folder, name))
+    logger.debug("%s model exported", kind)
+    held, order = deferred_weights(model)
+    deferred = bind_placeholders(proto, held)
+    if post is not None:
+        proto = post(proto)
+    staged = stage_streamed(proto, deferred, order, path, folder, external_threshold, h)
+    logger.debug("%s model staged", kind)
+    return staged

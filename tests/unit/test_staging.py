@@ -1,103 +1,147 @@
-"""export/staging.py: the exporter's file is staged without being loaded back, and above 2 GB
-its one-file-per-tensor layout is merged into the single ``<file>.data`` save promises (issue
-19). The 2 GB layout is produced here by onnx itself (``all_tensors_to_one_file=False``), the
-way the TorchScript exporter writes it, on a small real export."""
+"""export/deferred.py + staging.stage_streamed: the exporter traces placeholder weights and never
+sees their values; each folded weight is computed and written one at a time, inline (one
+protobuf merge chunk per initializer) or as external data, and the file reads back as the one
+model it always was (issue 19). Real torch.onnx.export, onnx parsing and ONNX Runtime."""
 
-import hashlib
 import os
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 from torch import nn
 
-from openamct.export.staging import SAVE_ID_KEY, stage_export
-from openamct.export.writer import export_to_file
+import openamct as amct
+from openamct.compressed.layer import CompressedLayer
+from openamct.export.deferred import PLACEHOLDER_DOMAIN, bind_placeholders
+from openamct.export.export_layer import working_copy
+from openamct.export.fake_quant import fold_fake_quant
+from openamct.export.staging import SAVE_ID_KEY, _merged_order
+from openamct.export.writer import export_pair, export_to_file
+
+CFG = """retrain_data_quant_config: { ulq_quantize: { } }
+retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
+prune_config: { n_out_of_m_pruner: { l1_selective_prune: { n_out_of_m_type: M4N2 } } }
+"""
 
 
-def _exported(tmp_path, per_tensor_files: bool) -> tuple[str, nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
-    x = torch.randn(3, 16)
-    folder = tmp_path / "export"
-    folder.mkdir()
-    file = export_to_file(model, x, str(folder))
-    if per_tensor_files:
-        proto = onnx.load(file)
-        # A Constant's tensor goes out too (the exporter's 1.1B Llama: its rotary constants).
-        out = proto.graph.output[0].name
-        bias = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
-        const = onnx.helper.make_node("Constant", [], ["extra"], value=onnx.numpy_helper.from_array(bias))
-        add = onnx.helper.make_node("Add", [out + "_pre", "extra"], [out])
-        for n in proto.graph.node:
-            n.output[:] = [o + "_pre" if o == out else o for o in n.output]
-        proto.graph.node.extend([const, add])
-        onnx.save_model(proto, file, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0,
-                        convert_attribute=True)
-        assert len(os.listdir(folder)) > 2
-    return file, model, x
+class Net(nn.Module):
+    """Two Linears, one without bias; 3-D input, so the float weights go out as W^T."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
 
 
-def _run(path: str, x: torch.Tensor) -> np.ndarray:
+def _compressed(tmp_path, model=None, seed=0):
+    torch.manual_seed(seed)
+    model = Net() if model is None else model
+    x = torch.randn(2, 5, 16)
+    cfg = tmp_path / "c.cfg"
+    cfg.write_text(CFG)
+    c = amct.create_compressed_retrain_model(model, x, str(cfg), str(tmp_path / f"r{seed}.txt"))
+    c.train()
+    c(x).sum().backward()
+    c.eval()
+    with torch.no_grad():
+        c(x)
+    return c, x
+
+
+def _run(path, x):
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
 
 
-def test_tensor_files_are_merged_into_one_aligned_data_file(tmp_path):
-    file, model, x = _exported(tmp_path, per_tensor_files=True)
-    stage = tmp_path / "stage"
-    stage.mkdir()
-    h = hashlib.sha256()
-    staged = stage_export(file, str(tmp_path / "out.onnx"), str(stage), external_threshold=2**31, h=h)
-    assert os.listdir(tmp_path / "export") == ["model.onnx"], "each tensor file is deleted once copied"
-    staged.finish("abc")
-    assert sorted(os.listdir(tmp_path)) == ["export", "out.onnx", "out.onnx.data", "stage"]
-    proto = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
-    infos = [{e.key: e.value for e in t.external_data} for t in proto.graph.initializer]  # (the Constant's below)
-    assert infos and all(i["location"] == "out.onnx.data" and int(i["offset"]) % 4096 == 0 for i in infos)
-    assert {p.key: p.value for p in proto.metadata_props}[SAVE_ID_KEY] == "abc"
-    const = next(n for n in proto.graph.node if n.op_type == "Constant").attribute[0].t
-    assert {e.key: e.value for e in const.external_data}["location"] == "out.onnx.data"
-    expected = _run_direct(model, x, tmp_path) + np.linspace(-1, 1, 8, dtype=np.float32)
-    np.testing.assert_allclose(_run(str(tmp_path / "out.onnx"), x), expected, rtol=0, atol=1e-6)
+def test_the_exporter_sees_placeholders_not_weights(tmp_path):
+    c, x = _compressed(tmp_path)
+    fake = fold_fake_quant(working_copy(c), c._openamct.techniques)
+    assert not any(p.numel() > 16 for n, p in fake.named_parameters()), "no folded weight is held"
+    (tmp_path / "e").mkdir()
+    proto = onnx.load(export_to_file(fake, x, str(tmp_path / "e")))
+    nodes = [n for n in proto.graph.node if n.domain == PLACEHOLDER_DOMAIN]
+    assert len(nodes) == 2
+    assert [t.name for t in proto.graph.initializer] == ["a.bias"]
 
 
-def _run_direct(model, x, tmp_path) -> np.ndarray:
-    folder = tmp_path / "direct"
-    folder.mkdir()
-    return _run(export_to_file(model, x, str(folder)), x)
+def test_a_weight_read_twice_is_bound_once():
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])
+    nodes = [onnx.helper.make_node("Weight", [], [f"p{k}"], domain=PLACEHOLDER_DOMAIN, key="l.weight") for k in (0, 1)]
+    nodes += [onnx.helper.make_node("MatMul", ["x", "p0"], ["h"]), onnx.helper.make_node("MatMul", ["h", "p1"], ["y"])]
+    model = onnx.helper.make_model(onnx.helper.make_graph(nodes, "g", [x], [y]))
+    found = bind_placeholders(model, {"l.weight": "deferred", "other.weight": "unused"})
+    assert found == {"l.weight": "deferred"}
+    assert [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node] == [
+        ("Weight", [], ["l.weight"]), ("MatMul", ["x", "l.weight"], ["h"]), ("MatMul", ["h", "l.weight"], ["y"])]
+    with pytest.raises(ValueError, match="'l.weight'"):
+        bind_placeholders(onnx.helper.make_model(onnx.helper.make_graph(nodes[:1], "g", [], [])), {})
 
 
-def test_a_single_file_is_moved_and_hashed_as_written(tmp_path):
-    file, model, x = _exported(tmp_path, per_tensor_files=False)
-    with open(file, "rb") as f:
-        written = f.read()
-    stage = tmp_path / "stage"
-    stage.mkdir()
-    h = hashlib.sha256()
-    staged = stage_export(file, str(tmp_path / "out.onnx"), str(stage), external_threshold=2**31, h=h)
-    staged.finish("abc")
-    with open(tmp_path / "out.onnx", "rb") as f:
-        final = f.read()
-    assert final.startswith(written), "the exporter's bytes, then the stamp"
-    loaded = onnx.load_from_string(final)
-    assert {p.key: p.value for p in loaded.metadata_props}[SAVE_ID_KEY] == "abc"
-    assert h.hexdigest() == hashlib.sha256(written + b"\0").hexdigest()
+def test_written_weights_are_the_folded_ones_in_the_exporters_order(tmp_path):
+    c, x = _compressed(tmp_path)
+    fake, deploy = str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx")
+    export_pair(c, fake, deploy, x)
+    expected = {n: m.effective_weight_bias()[0].detach() for n, m in c.named_modules() if isinstance(m, CompressedLayer)}
+    f = onnx.load(fake)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in f.graph.initializer}
+    assert [t.name for t in f.graph.initializer] == ["a.weight_t", "a.bias", "b.weight_t"]
+    for name, w in expected.items():
+        np.testing.assert_array_equal(inits[f"{name}.weight_t"], w.t().numpy())
+    assert not any(n.domain == PLACEHOLDER_DOMAIN for n in f.graph.node)
+    assert all(o.domain in ("", "ai.onnx") for o in f.opset_import)
+    d = onnx.load(deploy)
+    q = {t.name: onnx.numpy_helper.to_array(t) for t in d.graph.initializer if t.name.endswith("weight_int8")}
+    assert sorted(q) == ["a.weight_int8", "b.weight_int8"]
+    for name, w in expected.items():
+        scales = onnx.numpy_helper.to_array(
+            next(t for t in d.graph.initializer if t.name == f"{name}.weight_fn.scales"))
+        assert scales.shape == (w.shape[0],)
+        np.testing.assert_array_equal(q[f"{name}.weight_int8"],
+                                      np.clip(np.rint(w.numpy() / scales[:, None]), -128, 127).astype(np.int8))
+    with torch.no_grad():
+        ref = c(x).numpy()
+    np.testing.assert_allclose(_run(fake, x), ref, rtol=0, atol=1e-5)
+    assert np.abs(_run(deploy, x) - ref).max() < 0.1 * np.abs(ref).max()
 
 
-def test_another_export_gives_another_digest(tmp_path):
-    digests = []
-    for k, scale in enumerate((1.0, 2.0)):
-        folder = tmp_path / f"e{k}"
-        folder.mkdir()
-        model = nn.Linear(4, 4).eval()
-        with torch.no_grad():
-            model.weight.fill_(scale)
-        file = export_to_file(model, torch.randn(2, 4), str(folder))
-        stage = tmp_path / f"s{k}"
-        stage.mkdir()
-        h = hashlib.sha256()
-        stage_export(file, str(tmp_path / f"o{k}.onnx"), str(stage), external_threshold=2**31, h=h)
-        digests.append(h.hexdigest())
-    assert digests[0] != digests[1]
+def test_inline_and_external_files_are_the_same_model(tmp_path):
+    c, x = _compressed(tmp_path)
+    export_pair(c, str(tmp_path / "a_f.onnx"), str(tmp_path / "a_d.onnx"), x)
+    export_pair(c, str(tmp_path / "b_f.onnx"), str(tmp_path / "b_d.onnx"), x, external_threshold=0)
+    for kind in ("f", "d"):
+        a = onnx.load(str(tmp_path / f"a_{kind}.onnx"))
+        b = onnx.load(str(tmp_path / f"b_{kind}.onnx"))
+        assert not os.path.exists(tmp_path / f"a_{kind}.onnx.data")
+        stubs = onnx.load(str(tmp_path / f"b_{kind}.onnx"), load_external_data=False).graph.initializer
+        offsets = [int({e.key: e.value for e in t.external_data}["offset"]) for t in stubs
+                   if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert offsets and all(o % 4096 == 0 for o in offsets)
+        def tensors(m):  # (onnx.load leaves data_location set on what it read from a .data file)
+            return [(t.name, list(t.dims), t.data_type, onnx.numpy_helper.to_array(t).tobytes())
+                    for t in m.graph.initializer]
+        assert tensors(a) == tensors(b)
+        assert [n.SerializeToString() for n in a.graph.node] == [n.SerializeToString() for n in b.graph.node]
+        np.testing.assert_array_equal(_run(str(tmp_path / f"a_{kind}.onnx"), x), _run(str(tmp_path / f"b_{kind}.onnx"), x))
+
+
+def test_the_save_id_follows_the_weights(tmp_path):
+    ids = []
+    for seed, tag in ((0, "x"), (0, "y"), (1, "z")):
+        c, x = _compressed(tmp_path, seed=seed)
+        export_pair(c, str(tmp_path / f"{tag}_f.onnx"), str(tmp_path / f"{tag}_d.onnx"), x)
+        ids.append({p.key: p.value for p in onnx.load(str(tmp_path / f"{tag}_f.onnx")).metadata_props}[SAVE_ID_KEY])
+    assert ids[0] == ids[1] != ids[2]
+
+
+def test_merged_order_puts_each_weight_before_what_followed_it():
+    order = ["a.w", "a.bias", "a.q.scales", "b.w", "c.w", "c.bias"]
+    kept = ["a.bias", "a.q.scales", "c.bias", "onnx::Folded_1"]
+    assert _merged_order(kept, {"a.w": None, "b.w": None, "c.w": None}, order) == \
+        ["a.w", "a.bias", "a.q.scales", "b.w", "c.w", "c.bias", "onnx::Folded_1"]
+    assert _merged_order(["onnx::F"], {"z.w": None}, ["z.w"]) == ["onnx::F", "z.w"]
