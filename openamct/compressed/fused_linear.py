@@ -50,25 +50,58 @@ def release_scratch() -> None:
     _scratch.tensors.clear()
 
 
+_CHUNK_ELEMS = 1 << 20  # 4 MB of float32 per slice: it stays in cache across the passes on it
+
+
+def _row_slices(w: Tensor):
+    rows = w.shape[0]
+    step = max(1, _CHUNK_ELEMS // max(1, w[0].numel())) if rows else 1
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
                out: Tensor, scales: Tensor | None = None) -> Tensor | None:
     """Write mask(w), fake-quantized when ``channel_wise`` is not None, into ``out``; return
-    the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or None."""
-    if mask is None:
-        out.copy_(w)
-    else:
-        apply_mask(w, mask, out)
-    if channel_wise is None:
-        return None
-    if scales is None:
-        if channel_wise:
-            amax = _absmax_per_channel(out, axis)
-        else:
-            amax = torch.maximum(out.amax(), out.amin().neg()).reshape(1)
-        scales = (amax.float() / QMAX).clamp_(min=SCALE_EPS)
-    s = scales.reshape(_bshape(out.dim(), axis)) if channel_wise else scales.reshape(())
-    out.mul_(s.reciprocal()).round_().mul_(s)
+    the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or None.
+
+    A slice of rows at a time (issue 19): the mask, the scales' reduction and the three
+    quantize passes then run on 4 MB that stays in cache, instead of six trips through memory
+    over the whole weight. Every element gets the same ops as on the whole tensor (a max is
+    exact in any order), so the result is bit-identical."""
+    parts = _row_slices(w)
+    row_scales = channel_wise and axis == 0 and scales is None  # each slice holds whole channels
+    if channel_wise is None or scales is not None or row_scales:
+        if row_scales:
+            scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        for rows in parts:
+            o = _masked_into(w[rows], None if mask is None else mask[rows], out[rows])
+            if channel_wise is None:
+                continue
+            if row_scales:
+                scales[rows] = (_absmax_per_channel(o, 0).float() / QMAX).clamp_(min=SCALE_EPS)
+                _quantize_(o, scales[rows], channel_wise, 0)
+            else:
+                _quantize_(o, scales if axis != 0 or not channel_wise else scales[rows], channel_wise, axis)
+        return scales
+    # Scales over all rows (per tensor, or per column of HF's Conv1D layout): mask first.
+    amax = None
+    for rows in parts:
+        o = _masked_into(w[rows], None if mask is None else mask[rows], out[rows])
+        part = _absmax_per_channel(o, axis) if channel_wise else torch.maximum(o.amax(), o.amin().neg()).reshape(1)
+        amax = part if amax is None else torch.maximum(amax, part)
+    scales = (amax.float() / QMAX).clamp_(min=SCALE_EPS)
+    for rows in parts:
+        _quantize_(out[rows], scales, channel_wise, axis)
     return scales
+
+
+def _masked_into(w: Tensor, mask: Tensor | None, out: Tensor) -> Tensor:
+    return out.copy_(w) if mask is None else apply_mask(w, mask, out)
+
+
+def _quantize_(o: Tensor, scales: Tensor, channel_wise: bool, axis: int) -> None:
+    s = scales.reshape(_bshape(o.dim(), axis)) if channel_wise else scales.reshape(())
+    o.mul_(s.reciprocal()).round_().mul_(s)
 
 
 class _MaskedQuantLinear(Function):

@@ -6,11 +6,11 @@ exporter's proto of them and its serialised copy). So a folded layer keeps a
 ``DeferredWeight`` instead: it knows how to compute the weight from the compressed layer, and
 only shape and dtype otherwise.
 
-- Eager calls (``export_signature``'s probe, or a user running the folded module) compute the
-  real weight, so the folded module stays a correct torch module.
-- While the exporter traces, the layer reads ``placeholder``: a zero-stride tensor of the right
-  shape, holding one element, that exports as a node ``openamct::Weight(key=<name>)``. The
-  exporter never sees the values, so it neither copies nor serialises them.
+- The layer's forward reads ``placeholder``: a zero-stride tensor of the right shape, holding
+  one element, that exports as a node ``openamct::Weight(key=<name>)``. The exporter never
+  sees the values, so it neither copies nor serialises them. Eager calls (``export_signature``'s
+  probe) compute with it too: only the output's structure matters there. So a folded model
+  with deferred weights is for export only; reading ``layer.weight`` computes the real one.
 - ``bind_placeholders`` renames each such node's output to the initializer name the file has
   always used (``<layer>.weight``, ``.weight_t``, ``.weight_int8``): the deploy post-pass keys
   its observers by it.
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ["DeferredWeight", "placeholder_value", "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN"]
+__all__ = ["DeferredWeight", "WriteScratch", "placeholder_value", "is_placeholder", "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN"]
 
 PLACEHOLDER_DOMAIN = "openamct"
 _PLACEHOLDER_OP = "Weight"
@@ -42,7 +42,7 @@ class DeferredWeight:
     shape: tuple[int, ...]  # of the weight before ``transposed``
     quantize: torch.nn.Module | None = None
     transposed: bool = False
-    _placeholder: Tensor | None = field(default=None, repr=False)
+    _placeholder: tuple | None = field(default=None, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,41 +60,94 @@ class DeferredWeight:
         return n * (1 if self.dtype == torch.int8 else 4)
 
     @torch.no_grad()
-    def compute(self) -> Tensor:
-        """The stored tensor, contiguous: what the file holds under this layer's weight name."""
-        w, _ = self.layer.effective_weight_bias()
+    def compute(self, scratch: WriteScratch | None = None) -> Tensor:
+        """The stored tensor, contiguous: what the file holds under this layer's weight name.
+        With ``scratch``, a Linear's is built in its buffers (valid until the next call)."""
+        w = self._effective(scratch)
         if self.layer.kind == "linear_t":
             w = w.t()
         w = w.detach().float()
+        out = None if scratch is None else scratch.take(1, self.stored_shape, self.dtype)
         if self.quantize is not None:
-            return self.quantize.quantize(w).contiguous()
-        return w.t().contiguous() if self.transposed else w.contiguous()
+            return self.quantize.quantize(w, out)
+        if self.transposed:
+            w = w.t()
+        if out is None:
+            return w.contiguous()
+        return w if w.is_contiguous() else out.copy_(w)
+
+    def _effective(self, scratch: WriteScratch | None) -> Tensor:
+        """The eval-mode effective weight (layout as stored by the layer). A Linear whose weight
+        path is a 2:4 mask and/or ARQ goes through the training step's ``_effective`` into the
+        scratch (the same values bit for bit: tests) instead of two new weight-sized tensors."""
+        from openamct.compressed.fused_linear import _effective
+        from openamct.prune.nm import NMSparsifier
+        from openamct.quant.quantizers import WeightARQ
+
+        layer = self.layer
+        sp, q = layer.sparsity, layer.wts_quant
+        if scratch is None or not layer.kind.startswith("linear") or layer.bn is not None or layer.mask_names \
+                or not (sp is None or type(sp) is NMSparsifier) or not (q is None or type(q) is WeightARQ):
+            return layer.effective_weight_bias()[0]
+        w = layer.weight.detach()
+        mask = None if sp is None else sp.mask if sp.mask.dtype == torch.bool else sp.mask.to(w.dtype)
+        out = scratch.take(0, tuple(w.shape), w.dtype)
+        _effective(w, mask, None if q is None else q.channel_wise, int(layer.kind == "linear_t"), out)
+        return out
 
     def placeholder(self) -> Tensor:
         """Right shape and dtype, one element of storage (what a trace computes with)."""
         shape = self.stored_shape
-        if self._placeholder is None or tuple(self._placeholder.shape) != shape:
-            self._placeholder = torch.zeros((), dtype=self.dtype).expand(shape)
-        return self._placeholder
+        if self._placeholder is None or self._placeholder[1] != shape:  # (a Python tuple: no traced sizes)
+            self._placeholder = (torch.zeros((), dtype=self.dtype).expand(shape), shape)
+        return self._placeholder[0]
+
+
+class WriteScratch:
+    """Flat buffers, grown to the largest weight, reused for every layer a writer computes."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple, Tensor] = {}
+
+    def take(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        flat = self._flat.get((slot, dtype))
+        if flat is None or flat.numel() < n:
+            self._flat.pop((slot, dtype), None)
+            flat = self._flat[(slot, dtype)] = torch.empty(n, dtype=dtype)
+        return flat[:n].view(shape)
 
 
 class _Placeholder(Function):
-    """Exports as ``openamct::Weight(key)`` with no input; the value is never exported."""
+    """Exports as ``openamct::Weight(key)`` with no input; the value is never exported. Its one
+    tensor argument is a 1-element anchor: the trace records the placeholder itself as the
+    output, so no weight-shaped constant enters the graph (a captured constant is made
+    contiguous when the graph is converted: a full copy of every weight)."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, key: str) -> Tensor:
-        return anchor
+    def forward(ctx, anchor: Tensor, key: str, deferred: DeferredWeight) -> Tensor:
+        return deferred.placeholder()
 
     @staticmethod
-    def symbolic(g, anchor, key: str):
+    def symbolic(g, anchor, key: str, deferred: DeferredWeight):
         out = g.op(f"{PLACEHOLDER_DOMAIN}::{_PLACEHOLDER_OP}", key_s=key)
-        out.setType(anchor.type())
+        out.setType(anchor.type().with_dtype(deferred.dtype).with_sizes(list(deferred.stored_shape)))
         return out
+
+
+_ANCHOR = torch.zeros(1)
 
 
 def placeholder_value(deferred: DeferredWeight, key: str) -> Tensor:
     """What a traced layer reads for its deferred weight ``key``."""
-    return _Placeholder.apply(deferred.placeholder(), key)
+    return _Placeholder.apply(_ANCHOR, key, deferred)
+
+
+def is_placeholder(t: Tensor) -> bool:
+    """A placeholder (or any tensor of one element repeated): values that mean nothing."""
+    return t.dim() > 0 and all(st == 0 for st in t.stride())  # (strides are never traced)
 
 
 def _is_placeholder(node: onnx.NodeProto) -> bool:

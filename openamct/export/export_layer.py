@@ -21,7 +21,7 @@ from torch.autograd import Function
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
-from openamct.export.deferred import DeferredWeight, placeholder_value
+from openamct.export.deferred import DeferredWeight, is_placeholder, placeholder_value
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
@@ -118,8 +118,11 @@ class ExportLayer(WeightOp):
         return super().__getattr__(name)
 
     def _stored(self) -> Tensor:
-        """The stored weight as the op reads it: while tracing, a deferred one is a placeholder."""
-        if self._deferred is not None and torch.jit.is_tracing():
+        """The stored weight as the op reads it. A deferred one is its placeholder, in eager
+        calls too: a folded model with deferred weights exists to be exported, and its eager
+        calls (``export_signature``'s probe) only need shapes; computing each weight there
+        would cost a weight-sized temporary per layer for nothing (issue 19)."""
+        if self._deferred is not None:
             return placeholder_value(self._deferred, f"{self._path}.{self._wname}")
         return getattr(self, self._wname)
 
@@ -197,6 +200,8 @@ class _Dequantize(Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, scale: Tensor, zero: Tensor, axis: int) -> Tensor:
+        if is_placeholder(q):  # (values unused: see deferred.py)
+            return torch.zeros((), dtype=torch.float32).expand(q.shape)
         shape = [1] * q.dim()
         if scale.dim():
             shape[axis] = -1
@@ -219,14 +224,25 @@ class WeightDQ(nn.Module):
         self.register_buffer("scales", scales.detach().float().reshape(shape).clone())
         self.register_buffer("zeros", torch.zeros(self.scales.shape, dtype=torch.int8))
 
-    def quantize(self, w: Tensor) -> Tensor:
-        """int8 of the (already fake-quantized) float weight: round(w / s) as numpy's rint."""
+    def quantize(self, w: Tensor, out: Tensor | None = None) -> Tensor:
+        """int8 of the (already fake-quantized) float weight: round(w / s) as numpy's rint,
+        into ``out`` when given. A slice of rows at a time: the float temporaries stay small
+        (a weight-sized one per layer fragments the heap for the rest of a save, issue 19)."""
+        w = w.detach()
+        out = torch.empty(w.shape, dtype=torch.int8) if out is None else out
         s = self.scales
         if self.axis is not None:
             shape = [1] * w.dim()
             shape[self.axis] = -1
             s = s.reshape(shape)
-        return torch.round(w.detach().float() / s).clamp_(QMIN, QMAX).to(torch.int8)
+        step = max(1, (1 << 20) // max(1, w[0].numel())) if w.dim() and w.shape[0] else 1
+        for r in range(0, w.shape[0] if w.dim() else 1, step):
+            rows = slice(r, r + step)
+            part = s[rows] if self.axis == 0 else s
+            src = w[rows] if w.dim() else w
+            dst = out[rows] if w.dim() else out
+            dst.copy_(torch.round(src.float() / part).clamp_(QMIN, QMAX))
+        return out
 
     def forward(self, q: Tensor) -> Tensor:
         return _Dequantize.apply(q, self.scales, self.zeros, 0 if self.axis is None else self.axis)
@@ -257,7 +273,12 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
     out = {}
     for name, layer in found.items():
         layer.eval()
-        w, b = layer.effective_weight_bias()  # the bias needs the weight's scales
+        if defer and layer.bias is None and layer.bn is None:
+            # Nothing to fold now: the builders need the weight's shape only, and a weight-sized
+            # temporary per layer here fragments the heap for the whole save (issue 19).
+            w, b = torch.empty(layer.weight.shape, device="meta"), None
+        else:
+            w, b = layer.effective_weight_bias()  # the bias needs the weight's scales
         if layer.kind == "linear_t":
             w = w.t()  # exported as a Linear, so ONNX Runtime runs it as QGemm like any other
         parts = out[name] = export_parts(layer, techniques)

@@ -53,11 +53,15 @@ class OnnxGraph:
     def is_output(self, t: str) -> bool:
         return t in self.outputs
 
-    def const(self, t: str) -> np.ndarray | None:
+    def _const_name(self, t: str) -> str | None:
         p = self.producer(t)
         while p is not None and p.op_type == "Identity":
             t, p = p.input[0], self.producer(p.input[0])
-        if t not in self.inits:
+        return t if t in self.inits else None
+
+    def const(self, t: str) -> np.ndarray | None:
+        t = self._const_name(t)
+        if t is None:
             return None
         if t not in self._arrays:
             self._arrays[t] = numpy_helper.to_array(self.inits[t])
@@ -130,9 +134,9 @@ class OnnxGraph:
         for n in self.topological():
             if n.op_type not in self.FOLDABLE or any(self.is_output(o) for o in n.output):
                 continue
+            if any(i and self._const_name(i) is None for i in n.input):
+                continue  # (checked first: an embedding's Gather would copy the table to numpy)
             args = [self.const(i) if i else None for i in n.input]
-            if any(a is None for a, i in zip(args, n.input) if i):
-                continue
             feeds = {i: a for i, a in zip(n.input, args) if i}
             outs = ReferenceEvaluator(n).run(None, feeds)
             for name, value in zip(n.output, outs):

@@ -27,7 +27,7 @@ import onnx
 import torch
 
 from openamct._atomic import atomic_path
-from openamct.export.deferred import DeferredWeight, strip_placeholders
+from openamct.export.deferred import DeferredWeight, WriteScratch, strip_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ def stage_streamed(model: onnx.ModelProto, deferred: dict[str, DeferredWeight], 
     name, placed among the others by ``order`` (``export_layer.deferred_weights``); feeds the
     content into ``h``. Memory: the model without those weights, plus one of them."""
     strip_placeholders(model)
+    scratch = WriteScratch()
     out = Staged(None, path, stage, external_threshold)
     out.external = tensor_bytes(model) + sum(d.nbytes for d in deferred.values()) > external_threshold
     hash_model(h, model)
@@ -128,30 +129,50 @@ def stage_streamed(model: onnx.ModelProto, deferred: dict[str, DeferredWeight], 
                     g.initializer.add().ParseFromString(kept.pop(name))
                 else:
                     stub = _header(name, deferred[name])
-                    writer.write(stub, _computed(deferred[name], name, h))
+                    writer.write(stub, _computed(deferred[name], name, h, scratch))
                     g.initializer.append(stub)
         with open(out.staged, "wb") as f:
             f.write(model.SerializeToString())
         return out
-    kept = {t.name: t.SerializeToString() for t in g.initializer}
-    del g.initializer[:]
+    kept = {t.name: t for t in g.initializer}
     with open(out.staged, "wb") as f:
-        f.write(model.SerializeToString())
+        f.write(_without_initializers(model).SerializeToString())
         # Each initializer after the model as a ModelProto{graph{initializer: [tensor]}} of its
         # own: a parser merges repeated occurrences of the (singular) graph field and appends
         # to its repeated initializers in file order (protobuf's merge rule), so the file reads
-        # as the one model, initializers in ``order``.
+        # as the one model, initializers in ``order``. One tensor's bytes at a time.
         for name in _merged_order(list(kept), deferred, order):
             if name in kept:
-                tensor = kept.pop(name)
+                tensor = kept.pop(name).SerializeToString()
                 f.write(_graph_chunk(len(tensor)) + tensor)
+                del tensor
                 continue
             header = _header(name, deferred[name]).SerializeToString()
-            raw = _computed(deferred[name], name, h)
+            raw = _computed(deferred[name], name, h, scratch)
             n = raw.nbytes
             tail = b"\x4a" + _varint(n)  # raw_data, field 9
             f.write(_graph_chunk(len(header) + len(tail) + n) + header + tail)
             f.write(raw.data)
+    return out
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if isinstance(value, (str, bytes, int, float)):
+            setattr(dst, fd.name, value)
+        elif hasattr(value, "extend"):
+            getattr(dst, fd.name).extend(value)
+        else:
+            getattr(dst, fd.name).CopyFrom(value)
+
+
+def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without its graph's initializers (never copied: they may be large)."""
+    out = onnx.ModelProto()
+    _copy_fields(model, out, "graph")
+    _copy_fields(model.graph, out.graph, "initializer")
     return out
 
 
@@ -183,8 +204,8 @@ def _header(name: str, d: DeferredWeight) -> onnx.TensorProto:
     return onnx.TensorProto(name=name, dims=list(d.stored_shape), data_type=_ONNX_TYPES[d.dtype])
 
 
-def _computed(d: DeferredWeight, name: str, h) -> np.ndarray:
-    t = d.compute()
+def _computed(d: DeferredWeight, name: str, h, scratch: WriteScratch) -> np.ndarray:
+    t = d.compute(scratch)
     if tuple(t.shape) != d.stored_shape or t.dtype != d.dtype:
         raise ValueError(f"export: folded weight {name!r} came out {tuple(t.shape)} {t.dtype}, "
                          f"traced as {d.stored_shape} {d.dtype}")

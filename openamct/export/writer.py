@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps, temp_prefix
+from openamct._memory import return_free_memory
 from openamct.compressed.fused_linear import release_scratch
 from openamct.export.deferred import bind_placeholders
 from openamct.export.deploy import finish_deploy, fold_deploy
@@ -185,9 +186,12 @@ def _export_streamed(model: nn.Module, input_data: Any, path: str, stage: str, k
         os.remove(os.path.join(folder, name))
     logger.debug("%s model exported", kind)
     held, order = deferred_weights(model)
+    return_free_memory()  # what the trace freed: the post-pass and the writer come on top
     deferred = bind_placeholders(proto, held)
     if post is not None:
         proto = post(proto)
     staged = stage_streamed(proto, deferred, order, path, folder, external_threshold, h)
+    del proto
+    return_free_memory()  # the per-layer temporaries' freed heap, before the next model
     logger.debug("%s model staged", kind)
     return staged

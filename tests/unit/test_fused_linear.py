@@ -31,9 +31,13 @@ CASES = [  # x shape, transposed, bias, masked, channel_wise
 ]
 
 
+@pytest.mark.parametrize("chunk", [None, 7 * 64 + 5])  # one slice; several, the last one short
 @pytest.mark.parametrize("shape,transposed,bias,masked,channel_wise", CASES)
 def test_outputs_and_gradients_are_bit_identical_to_the_composed_path(shape, transposed, bias, masked,
-                                                                        channel_wise):
+                                                                        channel_wise, chunk, monkeypatch):
+    if chunk is not None:  # the effective weight is built a slice of rows at a time
+        monkeypatch.setattr(fused_linear, "_CHUNK_ELEMS", chunk)
+        assert len(fused_linear._row_slices(torch.empty(96, 64))) > 2
     g = torch.Generator().manual_seed(1)
     out_f = 96
     x = torch.randn(*shape, generator=g, requires_grad=True)

@@ -145,3 +145,43 @@ def test_merged_order_puts_each_weight_before_what_followed_it():
     assert _merged_order(kept, {"a.w": None, "b.w": None, "c.w": None}, order) == \
         ["a.w", "a.bias", "a.q.scales", "b.w", "c.w", "c.bias", "onnx::Folded_1"]
     assert _merged_order(["onnx::F"], {"z.w": None}, ["z.w"]) == ["onnx::F", "z.w"]
+
+
+@pytest.mark.parametrize("channel_wise", [True, False])
+def test_a_weight_computed_in_the_scratch_is_the_folded_one(tmp_path, channel_wise):
+    """The writer builds a Linear's export weight in reused buffers (no weight-sized temporary
+    per layer): float W, W^T and int8, each equal to what the layer's eval path folds, for a
+    Linear and for HF's Conv1D layout."""
+    from transformers.pytorch_utils import Conv1D
+
+    from openamct.export.deferred import DeferredWeight, WriteScratch
+    from openamct.export.export_layer import WeightDQ
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), Conv1D(24, 64), nn.ReLU(), nn.Linear(24, 8))
+    cfg = CFG.replace("channel_wise: true", f"channel_wise: {str(channel_wise).lower()}")
+    (tmp_path / "c.cfg").write_text(cfg)
+    x = torch.randn(4, 16)
+    c = amct.create_compressed_retrain_model(model, x, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
+    c.train()
+    c(x).sum().backward()
+    c.eval()
+    scratch = WriteScratch()
+    layers = [m for m in working_copy(c).modules() if isinstance(m, CompressedLayer)]
+    assert [m.kind for m in layers] == ["linear", "linear_t", "linear"]
+    for layer in layers:
+        w = layer.effective_weight_bias()[0].detach()
+        w = w.t() if layer.kind == "linear_t" else w
+        scales = layer.weight_scales()
+        dq = WeightDQ(scales, 0 if channel_wise else None)
+        for transposed in (False, True):
+            d = DeferredWeight(layer, tuple(w.shape), transposed=transposed)
+            expected = (w.t() if transposed else w).contiguous()
+            got = d.compute(scratch)
+            assert torch.equal(got, expected) and torch.equal(d.compute(), expected)
+            slot = 1 if transposed != (layer.kind == "linear_t") else 0
+            assert got.untyped_storage().data_ptr() == \
+                scratch._flat[(slot, torch.float32)].untyped_storage().data_ptr(), "built in the scratch"
+        q = DeferredWeight(layer, tuple(w.shape), quantize=dq)
+        expected = torch.round(w / (scales.reshape(-1, 1) if channel_wise else scales)).clamp(-128, 127).to(torch.int8)
+        assert torch.equal(q.compute(scratch), expected) and torch.equal(q.compute(), expected)
