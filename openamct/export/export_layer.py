@@ -109,12 +109,20 @@ class ExportLayer(WeightOp):
         # ``wo.weight``). A view of W^T; the dequantized int8 values (computed on access). A
         # deferred weight is computed on access too, under either name.
         d = self.__dict__
-        wname = d.get("_wname", "weight")
-        if d.get("_deferred") is not None and name == wname:
-            return d["_deferred"].compute()
-        if name == "weight" and (wname != "weight" or d.get("_deferred") is not None):
+        wname, deferred = d.get("_wname", "weight"), d.get("_deferred")
+        if deferred is not None and name in ("weight", wname):
+            if torch.jit.is_tracing():
+                # Model code reads dtype or shape here (ViT, T5). Computed, the weight would
+                # enter the trace as a constant built from a parameter (an error, and a copy).
+                dtype = torch.float32 if name == "weight" else deferred.dtype
+                return torch.zeros((), dtype=dtype).expand(deferred.shape if name == "weight" else deferred.stored_shape)
+            value = deferred.compute()
+            if name == wname:
+                return value
+            return value.t() if wname == "weight_t" else value if wname == "weight" else self.weight_fn(value)
+        if name == "weight" and wname != "weight":
             w = getattr(self, wname)
-            return w.t() if wname == "weight_t" else w if wname == "weight" else self.weight_fn(w)
+            return w.t() if wname == "weight_t" else self.weight_fn(w)
         return super().__getattr__(name)
 
     def _stored(self) -> Tensor:

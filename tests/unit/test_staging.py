@@ -185,3 +185,25 @@ def test_a_weight_computed_in_the_scratch_is_the_folded_one(tmp_path, channel_wi
         q = DeferredWeight(layer, tuple(w.shape), quantize=dq)
         expected = torch.round(w / (scales.reshape(-1, 1) if channel_wise else scales)).clamp(-128, 127).to(torch.int8)
         assert torch.equal(q.compute(scratch), expected) and torch.equal(q.compute(), expected)
+
+
+class ReadsWeight(nn.Module):
+    """HF ViT / T5 style: forward reads a layer's ``weight`` (its dtype) before calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        x = x.to(self.a.weight.dtype)
+        return self.b(torch.relu(self.a(x)).to(self.b.weight.dtype))
+
+
+def test_model_code_may_read_a_deferred_weight_while_it_is_traced(tmp_path):
+    c, x = _compressed(tmp_path, ReadsWeight())
+    export_pair(c, str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx"), x)
+    with torch.no_grad():
+        ref = c(x).numpy()
+    np.testing.assert_allclose(_run(str(tmp_path / "f.onnx"), x), ref, rtol=0, atol=1e-5)
+    assert len(onnx.load(str(tmp_path / "f.onnx")).graph.initializer) == 3
