@@ -10,7 +10,9 @@ only shape and dtype otherwise.
   one element, that exports as a node ``openamct::Weight(key=<name>)``. The exporter never
   sees the values, so it neither copies nor serialises them. Eager calls (``export_signature``'s
   probe) compute with it too: only the output's structure matters there. So a folded model
-  with deferred weights is for export only; reading ``layer.weight`` computes the real one.
+  with deferred weights is for export only. Reading ``layer.weight`` computes the real one,
+  except while a trace runs (model code reads its dtype there: HF ViT, T5), where it is a
+  zero-stride tensor of the right shape.
 - ``bind_placeholders`` renames each such node's output to the initializer name the file has
   always used (``<layer>.weight``, ``.weight_t``, ``.weight_int8``): the deploy post-pass keys
   its observers by it.
@@ -26,7 +28,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ["DeferredWeight", "WriteScratch", "placeholder_value", "is_placeholder", "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN"]
+__all__ = ["DeferredWeight", "DeferredTable", "WriteScratch", "placeholder_value", "is_placeholder", "bind_placeholders",
+           "strip_placeholders", "PLACEHOLDER_DOMAIN"]
 
 PLACEHOLDER_DOMAIN = "openamct"
 _PLACEHOLDER_OP = "Weight"
@@ -101,6 +104,19 @@ class DeferredWeight:
         if self._placeholder is None or self._placeholder[1] != shape:  # (a Python tuple: no traced sizes)
             self._placeholder = (torch.zeros((), dtype=self.dtype).expand(shape), shape)
         return self._placeholder[0]
+
+
+class DeferredTable(DeferredWeight):
+    """A large float table the model holds itself (an ``nn.Embedding``'s weight): written
+    straight from the model's tensor, so neither the exporter nor its proto holds a copy."""
+
+    def __init__(self, source: Tensor) -> None:
+        super().__init__(None, tuple(source.shape))
+        self.source = source
+
+    @torch.no_grad()
+    def compute(self, scratch: WriteScratch | None = None) -> Tensor:
+        return self.source.detach().contiguous()
 
 
 class WriteScratch:

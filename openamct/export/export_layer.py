@@ -17,11 +17,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 from torch.autograd import Function
+from torch.nn import functional as F
 
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
-from openamct.export.deferred import DeferredWeight, is_placeholder, placeholder_value
+from openamct.export.deferred import (
+    DeferredTable,
+    DeferredWeight,
+    is_placeholder,
+    placeholder_value,
+)
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
@@ -186,6 +192,42 @@ class ExportLayer(WeightOp):
         self._wname = "weight_t"
 
 
+class ExportEmbedding(nn.Module):
+    """A plain ``nn.Embedding`` whose table reads as a placeholder (deferred.py), so the writer
+    writes it straight from the model's tensor: at 1.1B parameters it is 262 MB that the
+    exporter, its proto and the writer each held once more (issue 19)."""
+
+    def __init__(self, emb: nn.Embedding, path: str) -> None:
+        nn.Module.__init__(self)
+        for k, v in public_attrs(emb).items():  # num_embeddings, padding_idx, ...
+            setattr(self, k, v)
+        self._deferred, self._path = DeferredTable(emb.weight), path
+
+    def __getattr__(self, name: str):
+        d = self.__dict__.get("_deferred")
+        if name == "weight" and d is not None:  # read by model code: dtype, shape (a trace), tying
+            return torch.zeros((), dtype=d.dtype).expand(d.shape) if torch.jit.is_tracing() else d.source
+        return super().__getattr__(name)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        w = placeholder_value(self._deferred, f"{self._path}.weight")
+        return F.embedding(ids, w, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+
+TABLE_MIN_BYTES = 1 << 20
+
+
+def defer_tables(model: nn.Module) -> int:
+    """Replace the plain float32 ``nn.Embedding`` tables of ``model`` (a working copy), 1 MB
+    and up, by ``ExportEmbedding``; returns how many. Subclasses (a scaled embedding's own
+    forward) and ``max_norm`` (renormalises the table in place) are left as they are."""
+    found = [(n, m) for n, m in model.named_modules() if type(m) is nn.Embedding and m.max_norm is None
+             and m.weight.dtype == torch.float32 and m.weight.numel() * 4 >= TABLE_MIN_BYTES and n]
+    for name, m in found:
+        set_module(model, name, as_layer_class(ExportEmbedding, nn.Embedding)(m, name))
+    return len(found)
+
+
 class QDQAct(nn.Module):
     """uint8 activation quantization (zero point = int8 offset + 128, numerically the same
     as the int8 fake quant); exports as QuantizeLinear -> DequantizeLinear."""
@@ -301,6 +343,8 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
                                                          **extras)
         new._path = name
         set_module(model, name, new)
+    if defer:
+        defer_tables(model)
     return out
 
 
@@ -314,6 +358,9 @@ def deferred_weights(model: nn.Module) -> tuple[dict[str, DeferredWeight], list[
         if isinstance(m, ExportLayer) and m._deferred is not None:
             found[prefix + m._wname] = m._deferred
             order.append(prefix + m._wname)
+        if isinstance(m, ExportEmbedding):
+            found[prefix + "weight"] = m._deferred
+            order.append(prefix + "weight")
         order.extend(prefix + n for n, p in m._parameters.items() if p is not None)
         order.extend(prefix + n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set)
     return found, order

@@ -1,19 +1,15 @@
 """Stage the two files of one save on disk, then stamp them with the pair's id and move them
-into place (issue 19: at most one model's proto in memory, and no folded weight held beyond
-the one being written).
+into place (issue 19: one model's small proto in memory at a time, and no folded weight held
+beyond the one being written).
 
-Two ways in:
-- ``Staged(proto, ...)``: a model built whole in memory.
-- ``stage_streamed(proto, deferred, ...)``: a model exported with placeholder weights
-  (``deferred.py``); each weight is computed and written one at a time. Below 2 GB each goes
-  into the model file as a serialised ``ModelProto`` of its own holding just that initializer,
-  which protobuf's merge rule appends to the graph; above, into ``<file>.data``, page-aligned.
+``stage_streamed(proto, deferred, ...)`` takes a model exported with placeholder weights
+(``deferred.py``) and computes and writes each weight one at a time. Below 2 GB each goes into
+the model file as a serialised ``ModelProto`` of its own holding just that initializer, which
+protobuf's merge rule appends to the graph's initializers; above, into ``<file>.data``, each
+tensor page-aligned so ONNX Runtime can map it.
 
-The save id goes in last, the same way: a serialized ``ModelProto`` that holds only the
-``metadata_props`` entry, appended to the file. The TorchScript exporter's models never carry
-``training_info`` or ``functions`` here (no onnxscript functions, no
-``export_modules_as_functions``); a proto given whole that has them is kept and written whole
-at the end.
+The save id goes in last, the same way: a serialized ``ModelProto`` holding only the
+``metadata_props`` entry, appended to the file (a repeated field: merged by appending).
 """
 
 from __future__ import annotations
@@ -62,37 +58,15 @@ def _stamp_tail(save_id: str) -> bytes:
 
 
 class Staged:
-    """One model written to a staging folder now, stamped and moved into place by ``finish``."""
+    """One model in a staging folder (``staged``, and ``<base>.data`` beside it when
+    ``external``), stamped and moved into place by ``finish``."""
 
-    def __init__(self, model: onnx.ModelProto | None, path: str, stage: str, external_threshold: int,
-                 h=None) -> None:
+    def __init__(self, path: str, stage: str, external: bool) -> None:
         self.path, self.base = path, os.path.basename(path)
         self.staged = os.path.join(stage, self.base)
-        self.external, self.kept = False, None
-        if model is None:  # stage_export fills in the rest
-            return
-        if h is not None:
-            hash_model(h, model)
-        self.external = tensor_bytes(model) > external_threshold
-        if model.training_info or model.functions:
-            self.kept = model
-            return
-        if self.external:
-            # The proto is not used again: onnx may move its tensors out (no copy).
-            onnx.save_model(model, self.staged, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=self.base + ".data", size_threshold=1024)
-        else:
-            with open(self.staged, "wb") as f:
-                f.write(model.SerializeToString())
+        self.external = external
 
     def finish(self, save_id: str) -> None:
-        from openamct.export.writer import EXTERNAL_DATA_BYTES, write_onnx
-
-        if self.kept is not None:
-            entry = self.kept.metadata_props.add()
-            entry.key, entry.value = SAVE_ID_KEY, save_id
-            write_onnx(self.kept, self.path, 0 if self.external else EXTERNAL_DATA_BYTES)
-            return
         with open(self.staged, "ab") as f:
             f.write(_stamp_tail(save_id))
         folder = os.path.dirname(os.path.abspath(self.path))
@@ -112,8 +86,7 @@ def stage_streamed(model: onnx.ModelProto, deferred: dict[str, DeferredWeight], 
     content into ``h``. Memory: the model without those weights, plus one of them."""
     strip_placeholders(model)
     scratch = WriteScratch()
-    out = Staged(None, path, stage, external_threshold)
-    out.external = tensor_bytes(model) + sum(d.nbytes for d in deferred.values()) > external_threshold
+    out = Staged(path, stage, tensor_bytes(model) + sum(d.nbytes for d in deferred.values()) > external_threshold)
     hash_model(h, model)
     g = model.graph
     if out.external:

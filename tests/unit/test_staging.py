@@ -207,3 +207,38 @@ def test_model_code_may_read_a_deferred_weight_while_it_is_traced(tmp_path):
         ref = c(x).numpy()
     np.testing.assert_allclose(_run(str(tmp_path / "f.onnx"), x), ref, rtol=0, atol=1e-5)
     assert len(onnx.load(str(tmp_path / "f.onnx")).graph.initializer) == 3
+
+
+class Tokens(nn.Module):
+    """An embedding table above 1 MB, then a Linear: a language model's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(320, 1024)
+        self.fc = nn.Linear(1024, 8)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_an_embedding_table_is_written_from_the_models_tensor(tmp_path):
+    torch.manual_seed(0)
+    model = Tokens()
+    ids = torch.randint(0, 320, (2, 6))
+    (tmp_path / "c.cfg").write_text(CFG)
+    c = amct.create_compressed_retrain_model(model, ids, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
+    c.eval()
+    with torch.no_grad():
+        c(ids)
+    fake = fold_fake_quant(working_copy(c), c._openamct.techniques)
+    (tmp_path / "e").mkdir()
+    traced = onnx.load(export_to_file(fake, ids, str(tmp_path / "e")))
+    assert not any(t.name == "emb.weight" for t in traced.graph.initializer), "the exporter never held the table"
+    export_pair(c, str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx"), ids)
+    for f in ("f.onnx", "d.onnx"):
+        inits = {t.name: t for t in onnx.load(str(tmp_path / f)).graph.initializer}
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(inits["emb.weight"]), model.emb.weight.detach().numpy())
+    sess = ort.InferenceSession(str(tmp_path / "f.onnx"), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        ref = c(ids).numpy()
+    np.testing.assert_allclose(sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0], ref, rtol=0, atol=1e-5)
