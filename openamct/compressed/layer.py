@@ -238,14 +238,17 @@ class CompressedLayer(WeightOp):
             y = self.out_quant(y)
         return y
 
-    def _fused_training(self, x: Tensor) -> bool:
-        """A training forward of a Linear whose weight path is only a 2:4 mask and/or ARQ:
-        ``fused_linear`` computes it with no weight-sized allocation per step."""
+    def plain_weight_path(self) -> bool:
+        """A Linear whose weight path is only a 2:4 mask and/or ARQ: ``fused_linear._effective``
+        builds its effective weight in a given buffer (the training step, the save's writer)."""
         sp, q = self.sparsity, self.wts_quant
-        return (self.training and self.kind.startswith("linear") and self.bn is None
-                and not self.mask_names and (sp is not None or q is not None)
-                and (sp is None or type(sp) is NMSparsifier)
-                and (q is None or type(q) is WeightARQ) and fused_ok(x, self.weight))
+        return (self.kind.startswith("linear") and self.bn is None and not self.mask_names
+                and (sp is None or type(sp) is NMSparsifier) and (q is None or type(q) is WeightARQ))
+
+    def _fused_training(self, x: Tensor) -> bool:
+        """A training forward ``fused_linear`` computes with no weight-sized allocation per step."""
+        return (self.training and (self.sparsity is not None or self.wts_quant is not None)
+                and self.plain_weight_path() and fused_ok(x, self.weight))
 
     def _forward_fused(self, x: Tensor) -> Tensor:
         w, q = self.weight, self.wts_quant

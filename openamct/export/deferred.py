@@ -21,6 +21,7 @@ only shape and dtype otherwise.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import onnx
@@ -57,10 +58,7 @@ class DeferredWeight:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.stored_shape:
-            n *= d
-        return n * (1 if self.dtype == torch.int8 else 4)
+        return math.prod(self.stored_shape) * (1 if self.dtype == torch.int8 else 4)
 
     @torch.no_grad()
     def compute(self, scratch: WriteScratch | None = None) -> Tensor:
@@ -84,14 +82,11 @@ class DeferredWeight:
         path is a 2:4 mask and/or ARQ goes through the training step's ``_effective`` into the
         scratch (the same values bit for bit: tests) instead of two new weight-sized tensors."""
         from openamct.compressed.fused_linear import _effective
-        from openamct.prune.nm import NMSparsifier
-        from openamct.quant.quantizers import WeightARQ
 
         layer = self.layer
-        sp, q = layer.sparsity, layer.wts_quant
-        if scratch is None or not layer.kind.startswith("linear") or layer.bn is not None or layer.mask_names \
-                or not (sp is None or type(sp) is NMSparsifier) or not (q is None or type(q) is WeightARQ):
+        if scratch is None or not layer.plain_weight_path():
             return layer.effective_weight_bias()[0]
+        sp, q = layer.sparsity, layer.wts_quant
         w = layer.weight.detach()
         mask = None if sp is None else sp.mask if sp.mask.dtype == torch.bool else sp.mask.to(w.dtype)
         out = scratch.take(0, tuple(w.shape), w.dtype)
@@ -126,9 +121,7 @@ class WriteScratch:
         self._flat: dict[tuple, Tensor] = {}
 
     def take(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         flat = self._flat.get((slot, dtype))
         if flat is None or flat.numel() < n:
             self._flat.pop((slot, dtype), None)

@@ -285,13 +285,10 @@ class WeightDQ(nn.Module):
             shape = [1] * w.dim()
             shape[self.axis] = -1
             s = s.reshape(shape)
-        step = max(1, (1 << 20) // max(1, w[0].numel())) if w.dim() and w.shape[0] else 1
-        for r in range(0, w.shape[0] if w.dim() else 1, step):
+        step = max(1, (1 << 20) // max(1, w[0].numel()))
+        for r in range(0, w.shape[0], step):
             rows = slice(r, r + step)
-            part = s[rows] if self.axis == 0 else s
-            src = w[rows] if w.dim() else w
-            dst = out[rows] if w.dim() else out
-            dst.copy_(torch.round(src.float() / part).clamp_(QMIN, QMAX))
+            out[rows].copy_(torch.round(w[rows].float() / (s[rows] if self.axis == 0 else s)).clamp_(QMIN, QMAX))
         return out
 
     def forward(self, q: Tensor) -> Tensor:
