@@ -275,6 +275,22 @@ def report(size: str, life: dict, plain: dict) -> None:
           f"{life['record_write'][0] / (life['params'] / 1e9):.2f} s per 1e9 params (<= 1)")
 
 
+def first_touch_seconds_per_gb(gb: float = 1.0) -> tuple[float, float]:
+    """Seconds per GB to write fresh pages, then the same pages again. On this VM the host backs
+    guest memory lazily and takes idle pages back within a minute: a step that touches new
+    memory (create's copy, the first step's gradients) swings with that, not with our code."""
+    import torch
+
+    n = int(gb * (1 << 30)) // 4
+    t0 = time.perf_counter()
+    t = torch.empty(n)
+    t.fill_(1.0)
+    t1 = time.perf_counter()
+    t.fill_(2.0)
+    t2 = time.perf_counter()
+    return (t1 - t0) / gb, (t2 - t1) / gb
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="60m", help=f"comma-separated, of {', '.join(SIZES)}")
@@ -294,6 +310,8 @@ def main() -> None:
             raise SystemExit(f"--sizes: unknown size {size!r} (choose from {', '.join(SIZES)})")
         if size == "1.1b" and not args.allow_1b:
             raise SystemExit("--sizes 1.1b needs --allow-1b (about 20 GB of memory)")
+    fresh, again = first_touch_seconds_per_gb()
+    print(f"memory: writing fresh pages {fresh:.2f} s/GB, the same pages again {again:.2f} s/GB")
     results = {}
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:

@@ -58,9 +58,7 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
         value = sd[key]
-        # 2:4 masks were float buffers before issue 19 (now bool): those checkpoints still load.
-        old_float_mask = key.endswith(".mask") and mine.dtype == torch.bool and value.is_floating_point()
-        if not old_float_mask and (value.is_floating_point() != mine.is_floating_point() or (
+        if (value.is_floating_point() != mine.is_floating_point() or (
                 not mine.is_floating_point() and value.dtype != mine.dtype and value.numel())):
             raise ValueError(f"{where}: {key!r} has dtype {value.dtype} but the model's is {mine.dtype}: save "
                              "the checkpoint from the model that create_*/restore_* returned, without casting it")
@@ -68,10 +66,8 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(f"{where}: {key!r} holds {bad} NaN/inf value(s) (training diverged?): "
                              "resume from an earlier checkpoint")
-        if (key.endswith(".mask") and value.dtype != torch.bool and value.numel()
-                and not bool(((value == 0) | (value == 1)).all())):
-            odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
-            raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
+        if key.endswith(".mask"):
+            _check_01(value, key, where)
         if key.endswith("act_quant.clip_max"):
             # The quantizer uses max(clip_max, 0) and min(clip_min, 0) (or 0 with fixed_min). Training
             # itself can drive the raw values across each other, even to an empty range (a collapsed
@@ -89,10 +85,42 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
 
     warn_grouped(logger, f"{where}: collapsed activation quantizer(s)", collapsed)
 
+def _check_01(value: torch.Tensor, key: str, where: str) -> None:
+    if value.dtype != torch.bool and value.numel() and not bool(((value == 0) | (value == 1)).all()):
+        odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
+        raise ValueError(f"{where}: {key!r} is a mask but holds {odd!r}; masks hold only 0 and 1")
+
+
+def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], model: nn.Module,
+                       pth_file: str) -> Mapping[str, torch.Tensor]:
+    """A checkpoint from before 2:4 masks were packed holds ``<layer>.sparsity.mask`` (float
+    0/1, later bool, of the weight's shape) where the model now has ``mask_bits``: packed here,
+    after the same checks, so such checkpoints still load."""
+    legacy = [k for k in sd if k.endswith(".mask") and k not in own and k + "_bits" in own and k + "_bits" not in sd]
+    if not legacy:
+        return sd
+    from openamct.prune.mask_bits import pack_bits
+
+    where = f"pth_file {pth_file!r}"
+    sd = dict(sd)
+    for key in legacy:
+        value = sd.pop(key)
+        shape = tuple(model.get_submodule(key[:-len(".mask")]).weight_shape)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{where} does not match the compressed model: shape mismatch {key}: checkpoint "
+                             f"{tuple(value.shape)} vs model {shape}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where}: {key!r} holds NaN/inf value(s); masks hold only 0 and 1")
+        _check_01(value, key, where)
+        sd[key + "_bits"] = pack_bits(value)
+    return sd
+
+
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
     """Load strictly; a checkpoint of another model is a ValueError listing what differs."""
     sd = read_state_dict(pth_file, state_dict_name)
     own = model.state_dict()
+    sd = _pack_legacy_masks(sd, own, model, pth_file)
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
     shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from openamct.prune.mask_bits import unpack_rows
 from openamct.prune.nm import apply_mask
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
@@ -61,7 +62,8 @@ def _row_slices(w: Tensor):
 
 def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
                out: Tensor, scales: Tensor | None = None) -> Tensor | None:
-    """Write mask(w), fake-quantized when ``channel_wise`` is not None, into ``out``; return
+    """Write mask(w) (``mask``: packed, ``mask_bits``' layout), fake-quantized when
+    ``channel_wise`` is not None, into ``out``; return
     the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or None.
 
     A slice of rows at a time (issue 19): the mask, the scales' reduction and the three
@@ -74,7 +76,7 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
         if row_scales:
             scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
         for rows in parts:
-            o = _masked_into(w[rows], None if mask is None else mask[rows], out[rows])
+            o = _masked_into(w, mask, rows, out[rows])
             if channel_wise is None:
                 continue
             if row_scales:
@@ -86,7 +88,7 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
     # Scales over all rows (per tensor, or per column of HF's Conv1D layout): mask first.
     amax = None
     for rows in parts:
-        o = _masked_into(w[rows], None if mask is None else mask[rows], out[rows])
+        o = _masked_into(w, mask, rows, out[rows])
         part = _absmax_per_channel(o, axis) if channel_wise else torch.maximum(o.amax(), o.amin().neg()).reshape(1)
         amax = part if amax is None else torch.maximum(amax, part)
     scales = (amax.float() / QMAX).clamp_(min=SCALE_EPS)
@@ -95,8 +97,8 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
     return scales
 
 
-def _masked_into(w: Tensor, mask: Tensor | None, out: Tensor) -> Tensor:
-    return out.copy_(w) if mask is None else apply_mask(w, mask, out)
+def _masked_into(w: Tensor, bits: Tensor | None, rows: slice, out: Tensor) -> Tensor:
+    return out.copy_(w[rows]) if bits is None else apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out)
 
 
 def _quantize_(o: Tensor, scales: Tensor, channel_wise: bool, axis: int) -> None:
@@ -152,7 +154,8 @@ def fused_ok(x: Tensor, w: Tensor) -> bool:
 def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
                         channel_wise: bool | None, transposed: bool) -> tuple[Tensor, Tensor | None]:
     """(y, ARQ scales or None): ``F.linear(x, q(w * mask), b)`` (``w.t()`` when
-    ``transposed``, HF Conv1D's layout) with straight-through gradients for ``w``."""
+    ``transposed``, HF Conv1D's layout) with straight-through gradients for ``w``; ``mask`` is
+    packed (``NMSparsifier.mask_bits``) and unpacked a slice of rows at a time."""
     # The Function sees 2-D rows: its output is then a tensor of its own, not a view, so model
     # code may modify it in place (HF Wav2Vec2 does); the reshape outside is tracked as usual.
     y, scales = _MaskedQuantLinear.apply(x.reshape(-1, x.shape[-1]), w, b, mask, channel_wise, transposed)

@@ -130,8 +130,9 @@ class CompressedLayer(WeightOp):
         """The weight with every mask applied. ``step=False`` applies the installed masks
         without calling the mask modules, whose training-mode call counts a batch (and may
         recompute the mask)."""
-        masks = [getattr(self, n) for n in self.mask_names]
-        for m in ([self.sparsity] if self.sparsity is not None else []) + masks:
+        if self.sparsity is not None:
+            w = self.sparsity(w) if step else self.sparsity.apply_installed(w)
+        for m in (getattr(self, n) for n in self.mask_names):
             w = m(w) if step else apply_mask(w, m.mask if m.mask.dtype == torch.bool else m.mask.to(w.dtype))
         return w
 
@@ -157,7 +158,7 @@ class CompressedLayer(WeightOp):
         a mask bumps its ``_version``; a new tensor has another address."""
         masks = [getattr(self, n).mask for n in self.mask_names]
         if self.sparsity is not None:
-            masks.append(self.sparsity.mask)
+            masks.append(self.sparsity.mask_bits)
         return (self.weight.data_ptr(), self.weight._version, *((m.data_ptr(), m._version) for m in masks))
 
     def _bias_on_int32_grid(self, w: Tensor, b: Tensor) -> Tensor:
@@ -252,7 +253,7 @@ class CompressedLayer(WeightOp):
 
     def _forward_fused(self, x: Tensor) -> Tensor:
         w, q = self.weight, self.wts_quant
-        mask = None if self.sparsity is None else self.sparsity.current_mask(w)
+        mask = None if self.sparsity is None else self.sparsity.current_bits(w)
         y, scales = masked_quant_linear(x, w, self.bias, mask, None if q is None else q.channel_wise,
                                         self.kind == "linear_t")
         if q is not None:

@@ -25,11 +25,8 @@ def _take(m: nn.Module, training: bool):
         return {k: getattr(m, k).detach().clone() for k in _ACT}, m._init_last_input
     if isinstance(m, NMSparsifier):
         due = not m._ready or (training and m.update_freq > 0 and m._step % m.update_freq == 0)
-        mask = None
-        if due:
-            # A mask not computed yet is all ones: noted, not copied. Copying every mask at the
-            # first forward cost a quarter of the model's weight bytes at its peak (issue 19).
-            mask = True if not m._ready and bool(m.mask.all()) else m.mask.clone()
+        # Packed: a copy costs an eighth of a byte per weight (issue 19).
+        mask = m.mask_bits.clone() if due else None
         return m._step, m._ready, m.step.clone(), m.mask_ready.clone(), m._changes.clone(), mask
     if isinstance(m, RangeObserver) and training:
         return m.min_val.clone(), m.max_val.clone(), m.initialized.clone()
@@ -47,10 +44,8 @@ def _put(m: nn.Module, state) -> None:
         m.step.copy_(step)
         m.mask_ready.copy_(ready)
         m._changes.copy_(changes)
-        if mask is True:
-            m.mask.fill_(True)
-        elif mask is not None:
-            m.mask.copy_(mask)
+        if mask is not None:
+            m.mask_bits.copy_(mask)
     elif isinstance(m, RangeObserver):
         for buf, v in zip((m.min_val, m.max_val, m.initialized), state, strict=True):
             buf.copy_(v)

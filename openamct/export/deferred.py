@@ -88,7 +88,7 @@ class DeferredWeight:
             return layer.effective_weight_bias()[0]
         sp, q = layer.sparsity, layer.wts_quant
         w = layer.weight.detach()
-        mask = None if sp is None else sp.mask if sp.mask.dtype == torch.bool else sp.mask.to(w.dtype)
+        mask = None if sp is None else sp.mask_bits
         out = scratch.take(0, tuple(w.shape), w.dtype)
         _effective(w, mask, None if q is None else q.channel_wise, int(layer.kind == "linear_t"), out)
         return out

@@ -11,6 +11,7 @@ word's unused bits are zero. Words are Python ints in the int64 range (two's com
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pack_mask", "pack_mask_bytes", "unpack_mask", "num_words"]
+__all__ = ["pack_mask", "words_of_bits", "bits_of_words", "unpack_mask", "num_words"]
 
 _BITS = 64
 _INT64_MIN = -(1 << 63)
@@ -56,15 +57,27 @@ def pack_mask(mask: Tensor | np.ndarray) -> tuple[list[int], list[int]]:
     return shape, words.tolist()
 
 
-def pack_mask_bytes(keep: Tensor) -> bytes:
-    """The words of :func:`pack_mask` as little-endian bytes, for a mask known to be 0/1 (a
-    sparsifier's own): no value check and no Python ints, so packing a billion-weight model's
-    masks stays a fraction of a second per GB of weights."""
-    flat = keep.detach().reshape(-1)
-    bits = (flat if flat.dtype == torch.bool else flat.ne(0)).cpu().numpy()  # a bool mask: no copy
-    # packbits zero-fills the last byte; zero bytes then complete the last word.
-    packed = np.packbits(bits, bitorder="big").tobytes()
-    return packed + bytes(num_words(bits.size) * 8 - len(packed))
+def words_of_bits(bits: Tensor) -> bytes | memoryview:
+    """The words of a packed mask (``mask_bits.pack_bits``' layout: the same bit order) as
+    little-endian bytes: its bytes, zero-padded to whole words. Nothing is unpacked; without
+    padding to add, a view of the tensor's memory (no copy: read it before the mask changes)."""
+    raw = bits.detach().cpu().numpy()
+    pad = (-raw.size) % 8
+    return raw.tobytes() + bytes(pad) if pad else memoryview(raw).cast("B")
+
+
+def bits_of_words(shape: Sequence[int], words: Sequence[int] | np.ndarray) -> Tensor:
+    """A record's words as a packed mask (``mask_bits.pack_bits``' layout: their bytes, the
+    word padding dropped), checked as :func:`unpack_mask` checks them; nothing is unpacked."""
+    dims, numel, packed = _checked_words(shape, words)
+    raw = packed.astype("<i8", copy=False).view(np.uint8)
+    nbytes = -(-numel // 8)
+    tail = raw[nbytes:]
+    spare = numel % 8 and int(raw[nbytes - 1]) & ((1 << (8 - numel % 8)) - 1)
+    if tail.any() or spare:
+        raise ValueError(f"words: bits set past element {numel} of mask shape {dims}: "
+                         "the words do not belong to this shape")
+    return torch.from_numpy(raw[:nbytes].copy())
 
 
 def unpack_mask(
@@ -75,6 +88,13 @@ def unpack_mask(
     ``ValueError`` when the word count does not fit the shape, a word is outside the int64
     range, or a padding bit past the last element is set (the words belong to another shape).
     """
+    bits = np.unpackbits(bits_of_words(shape, words).numpy(), bitorder="big")
+    numel = math.prod(int(d) for d in shape)
+    return torch.from_numpy(bits[:numel].reshape([int(d) for d in shape])).to(dtype)
+
+
+def _checked_words(shape: Sequence[int], words: Sequence[int] | np.ndarray) -> tuple[list[int], int, np.ndarray]:
+    """(dims, element count, words as int64) after the checks both readers share."""
     if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, torch.Size)):
         raise TypeError(f"shape: expected a sequence of ints, got {type(shape).__name__}")
     dims = []
@@ -103,11 +123,4 @@ def unpack_mask(
             raise ValueError(f"words: {bad} is outside the int64 range") from None
         except (TypeError, ValueError) as exc:
             raise TypeError(f"words: expected ints ({exc})") from None
-    bits = np.unpackbits(packed.astype("<i8", copy=False).view(np.uint8), bitorder="big")
-    if bits[numel:].any():
-        raise ValueError(
-            f"words: bits set past element {numel} of mask shape {dims}: "
-            "the words do not belong to this shape"
-        )
-    out = torch.from_numpy(bits[:numel].reshape(dims))
-    return out.to(dtype)
+    return dims, numel, packed

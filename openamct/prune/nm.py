@@ -15,17 +15,19 @@ rank as +inf, so a diverged weight stays visible instead of being silently maske
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
+from openamct.prune.mask_bits import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
 from openamct.quant.functions import graph_mode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "NMSparsifier"]
+__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "NMSparsifier"]
 
 # Classes whose weight layout is [Cin, Cout/groups, ...]; every other conv and Linear is
 # [Cout, Cin/groups, ...].
@@ -196,14 +198,36 @@ def apply_mask(w: Tensor, mask: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mul(w, mask, out=out)
 
 
+def row_slices(shape: Sequence[int], unit: int = 1) -> list[slice]:
+    """Slices along dim 0 of about ``_MASK_CHUNK_ELEMS`` elements each, a multiple of ``unit``
+    rows (but the last): small enough that a slice's temporaries stay in cache and are reused
+    from the heap."""
+    rows = int(shape[0]) if len(shape) else 0
+    per_row = max(1, math.prod(shape[1:]))
+    step = max(unit, _MASK_CHUNK_ELEMS // per_row // unit * unit)
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def apply_bits(w: Tensor, bits: Tensor, out: Tensor | None = None) -> Tensor:
+    """``w * mask`` for a packed mask (``mask_bits``), a slice of rows at a time: no full-size
+    bool mask is unpacked. While a graph is captured it is the plain ``Mul`` of the whole mask."""
+    if graph_mode():
+        return w * unpack_bits(bits, 0, w.numel()).view(w.shape)
+    if out is None:
+        out = torch.empty_like(w, memory_format=torch.contiguous_format)
+    for rows in row_slices(w.shape):
+        apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out[rows])
+    return out
+
+
 class _MaskSTE(torch.autograd.Function):
     """Forward ``w * mask``; backward passes the gradient to every weight, masked or not
     (SPEC: "gradients reach all weights"), so a later recompute can revive pruned weights.
     Cheaper than ``w + (w * mask - w).detach()``: one kernel forward, none backward."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, mask: Tensor) -> Tensor:
-        return apply_mask(w, mask)
+    def forward(ctx, w: Tensor, bits: Tensor) -> Tensor:
+        return apply_bits(w, bits)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
@@ -213,16 +237,18 @@ class _MaskSTE(torch.autograd.Function):
 class NMSparsifier(nn.Module):
     """Applies a 2:4 mask to a weight: ``forward(w) -> w * mask``.
 
-    State (all in the state_dict): ``mask`` (bool, True = kept: a byte per weight, not a float
-    copy of the weight; checkpoints with float 0/1 masks still load), ``mask_ready`` (bool),
-    ``step`` (int64, training forwards seen). In training mode the mask is computed from ``w``
-    on the first forward and, with ``update_freq`` > 0, recomputed whenever
-    ``step % update_freq == 0``; ``update_freq == 0`` keeps the first mask. Eval mode never
-    recomputes a ready mask; an unready one is computed once so eval works, and it then counts
-    as the first-batch mask (same weights unless the caller changed them in between).
+    State (all in the state_dict): ``mask_bits`` (uint8, the mask packed one bit per weight in
+    the record's bit order, see ``mask_bits.py``: an eighth of a byte per weight, issue 19;
+    checkpoints with a bool or float 0/1 ``mask`` of the weight's shape still load),
+    ``mask_ready`` (bool), ``step`` (int64, training forwards seen). ``mask`` reads the whole
+    mask as bool (a new tensor). In training mode the mask is computed from ``w`` on the first
+    forward and, with ``update_freq`` > 0, recomputed whenever ``step % update_freq == 0``;
+    ``update_freq == 0`` keeps the first mask. Eval mode never recomputes a ready mask; an
+    unready one is computed once so eval works, and it then counts as the first-batch mask
+    (same weights unless the caller changed them in between).
 
     With autograd recording, the product is a straight-through estimator: ``d/dw = g``
-    unmasked. Without (eval under ``no_grad``, export) it is a plain ``Mul`` with the buffer.
+    unmasked. Without (eval under ``no_grad``, export) it is a plain ``Mul`` with the mask.
 
     ``version`` counts mask changes (recomputes that changed a bit, ``set_mask``, loads), so the
     record owner knows when to rewrite the record. It is a notification counter, not
@@ -256,9 +282,9 @@ class NMSparsifier(nn.Module):
             raise ValueError(f"groups: {groups} does not divide weight_shape[{axis}]={shape[axis]}")
         self.weight_shape = torch.Size(shape)
         self.axis = axis
-        # ``dtype`` (the weight's) is accepted for the callers that pass it; the mask is bool
-        # whatever the weight: ``w * mask`` promotes on the fly, no float mask is materialised.
-        self.register_buffer("mask", torch.ones(shape, dtype=torch.bool, device=device))
+        # ``dtype`` (the weight's) is accepted for the callers that pass it; the mask is bits
+        # whatever the weight.
+        self.register_buffer("mask_bits", _all_kept(math.prod(shape), device))
         self.register_buffer("mask_ready", torch.zeros((), dtype=torch.bool, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         # Not checkpointed: see `version`. A buffer so it follows .to(device) and is bumped
@@ -286,19 +312,30 @@ class NMSparsifier(nn.Module):
     def version(self) -> int:
         return int(self._changes.item())
 
+    @property
+    def mask(self) -> Tensor:
+        """The whole mask, bool of the weight's shape (True = kept): a new tensor, a byte per
+        weight, for callers that need it all at once (records of small models, checks)."""
+        return unpack_bits(self.mask_bits, 0, self.weight_shape.numel()).view(self.weight_shape)
+
     def extra_repr(self) -> str:
         return (f"weight_shape={list(self.weight_shape)}, axis={self.axis}, "
                 f"update_freq={self.update_freq}, groups={self.groups}")
 
     def forward(self, w: Tensor) -> Tensor:
-        mask = self.current_mask(w)
+        bits = self.current_bits(w)
         if torch.is_grad_enabled() and w.requires_grad and not graph_mode():
-            return _MaskSTE.apply(w, mask)
-        return apply_mask(w, mask)
+            return _MaskSTE.apply(w, bits)
+        return apply_bits(w, bits)
 
-    def current_mask(self, w: Tensor) -> Tensor:
-        """What ``forward(w)`` multiplies by, after the same bookkeeping (a training call counts
-        a batch and may recompute the mask): for callers that apply the mask themselves."""
+    def apply_installed(self, w: Tensor) -> Tensor:
+        """``w * mask`` with the mask as it is: no batch counted, no recompute."""
+        return apply_bits(w, self.mask_bits)
+
+    def current_bits(self, w: Tensor) -> Tensor:
+        """What ``forward(w)`` multiplies by (``mask_bits``), after the same bookkeeping (a
+        training call counts a batch and may recompute the mask): for callers that apply the
+        mask themselves."""
         if not w.is_floating_point():
             raise TypeError(f"w: expected a floating-point weight, got {w.dtype}")
         # Skipped under tracing: the comparison would be baked into the trace as a constant.
@@ -314,40 +351,42 @@ class NMSparsifier(nn.Module):
             self.step.fill_(self._step)
         elif not self._ready:
             self._recompute(w)
-        return self.mask if self.mask.dtype in (torch.bool, w.dtype) else self.mask.to(w.dtype)
+        return self.mask_bits
+
+    def _pieces(self) -> tuple[list[slice], int]:
+        """Row slices a recompute may compute on their own, and the ``groups`` to compute each
+        with. Each (but the last) holds a multiple of 8 weights, so it owns whole bytes of
+        ``mask_bits``; on a transposed layout (2:4 groups run along dim 0) a multiple of 4
+        rows, so no 2:4 group is cut, unless conv groups pad on their own (one piece then)."""
+        shape = self.weight_shape
+        per_row = math.prod(shape[1:])
+        unit = 8 // math.gcd(per_row, 8) if per_row else 1
+        if self.axis == 0:
+            if self.groups > 1 and (shape[0] // self.groups) % 4:
+                return [slice(0, shape[0])], self.groups
+            unit = math.lcm(unit, 4)
+            return row_slices(shape, unit), 1
+        return row_slices(shape, unit), self.groups
 
     @torch.no_grad()
     def _recompute(self, w: Tensor) -> None:
-        """The mask of ``w``, a slice of rows at a time straight into the mask buffer: the
+        """The mask of ``w``, a slice of rows at a time straight into ``mask_bits``: the
         comparisons' temporaries (a float |w| and six bool planes) then stay small enough to
         be reused from the heap and the cache, instead of mapping several weight-sized tensors
         (at 1.1B parameters the first step spent 7 s page-faulting them, issue 19)."""
         w = w.detach()
         if w.numel() == 0:
-            return self._install(torch.ones_like(w, dtype=torch.bool))
-        dim = 1 if self.axis == 0 else 0  # slices along a dim the 2:4 groups do not cross
-        rows = max(1, _MASK_CHUNK_ELEMS * w.shape[dim] // w.numel())
-        changed = torch.zeros((), dtype=torch.bool, device=self.mask.device)
-        for start in range(0, w.shape[dim], rows):
-            n = min(rows, w.shape[dim] - start)
-            keep = _nm_keep(w.narrow(dim, start, n), self.axis, 2, 4, self.groups)
-            bits = self._write(self.mask.narrow(dim, start, n), keep)
-            if bits is not None:
-                changed |= bits
+            return self._mark_installed(None)
+        pieces, groups = self._pieces()
+        per_row = w[0].numel()
+        changed = torch.zeros((), dtype=torch.bool, device=self.mask_bits.device)
+        for rows in pieces:
+            keep = _nm_keep(w[rows], self.axis, 2, 4, groups)
+            changed |= write_bits(self.mask_bits, rows.start * per_row, keep)
         self._mark_installed(changed)
 
-    @torch.no_grad()
-    def _install(self, keep: Tensor) -> None:
-        self._mark_installed(self._write(self.mask, keep.to(device=self.mask.device, dtype=torch.bool)))
-
-    def _write(self, dst: Tensor, keep: Tensor) -> Tensor | None:
-        """Copy ``keep`` into ``dst``; whether a bit changed, as a device tensor (no host sync)."""
-        changed = torch.ne(dst if dst.dtype == torch.bool else dst.bool(), keep).any() if self._ready else None
-        dst.copy_(keep)
-        return changed
-
     def _mark_installed(self, changed: Tensor | None) -> None:
-        self._changes.add_(changed if self._ready else 1)
+        self._changes.add_(changed if self._ready and changed is not None else 1)
         self.mask_ready.fill_(True)
         self._ready = True
 
@@ -362,15 +401,43 @@ class NMSparsifier(nn.Module):
             )
         if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("mask: values must be 0 or 1")
-        self._install(mask)
+        self.set_mask_bits(pack_bits(mask))
+
+    def set_mask_bits(self, bits: Tensor) -> None:
+        """Install a packed mask (``mask_bits``' layout, e.g. a record's words): no unpacking."""
+        expected = packed_size(self.weight_shape.numel())
+        if bits.dtype != torch.uint8 or tuple(bits.shape) != (expected,):
+            raise ValueError(f"bits: expected {expected} uint8 bytes for weight shape {list(self.weight_shape)}, "
+                             f"got {bits.dtype} {list(bits.shape)}")
+        with torch.no_grad():
+            changed = torch.ne(self.mask_bits, bits.to(self.mask_bits.device)).any() if self._ready else None
+            self.mask_bits.copy_(bits)
+        self._mark_installed(changed)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs) -> None:
-        old = self.mask.detach().clone()
+        legacy = state_dict.pop(prefix + "mask", None)
+        if legacy is not None and prefix + "mask_bits" not in state_dict:
+            # A checkpoint from before masks were packed: a bool or float 0/1 mask of the
+            # weight's shape (checkpoint.load_into has checked its values).
+            if tuple(legacy.shape) != self.weight_shape:
+                error_msgs.append(f"size mismatch for {prefix}mask: copying a mask of shape {list(legacy.shape)}, "
+                                  f"the weight's is {list(self.weight_shape)}")
+                return
+            state_dict[prefix + "mask_bits"] = pack_bits(legacy)
+        old = self.mask_bits.detach().clone()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         with torch.no_grad():
-            if self.mask.shape == old.shape and not torch.equal(self.mask, old.to(self.mask)):
+            if self.mask_bits.shape == old.shape and not torch.equal(self.mask_bits, old.to(self.mask_bits)):
                 self._changes.add_(1)
         self._ready = bool(self.mask_ready.item())
         self._step = int(self.step.item())
+
+
+def _all_kept(numel: int, device) -> Tensor:
+    """Packed all-ones mask of ``numel`` weights; the last byte's unused bits stay zero."""
+    bits = torch.full((packed_size(numel),), 0xFF, dtype=torch.uint8, device=device)
+    if numel % 8:
+        bits[-1] = (0xFF << (8 - numel % 8)) & 0xFF
+    return bits

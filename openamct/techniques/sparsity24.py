@@ -6,20 +6,23 @@ change. Restore installs the record's masks; the checkpoint's own copies (buffer
 over them, and where the two differ the checkpoint's win (see ``after_checkpoint``). Export
 needs nothing: the masks are folded into the exported weights.
 
-Large models' masks go to a mask file beside the record (``record/sidecar.py``); each layer's
-packed words are cached per mask version, so a record write after a scale change packs
-nothing and rewrites no mask.
+Large models' masks go to a mask file beside the record (``record/sidecar.py``). The layers
+hold their masks packed in the record's bit order (``prune/mask_bits.py``), so the mask file is
+their bytes; its content is kept per set of mask versions, so a record write after a scale
+change copies nothing and rewrites no mask.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from openamct.config.specs import LayerPlan, Plan
-from openamct.prune.mask_codec import num_words, pack_mask, pack_mask_bytes, unpack_mask
+from openamct.prune.mask_bits import unpack_bits
+from openamct.prune.mask_codec import bits_of_words, num_words, pack_mask, words_of_bits
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
@@ -35,9 +38,17 @@ def is_mask_entry(entry: PruneRecord) -> bool:
 
 def masks_in_record(record: ScaleOffsetRecord, record_file: str | None = None,
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """2:4 masks stored in a record, by layer name. ``record_file``: the record's path, needed
-    when its masks are in a mask file (checked against the record's size and hash). Restore
-    asks for bool: a float copy of every mask would cost as much memory as the weights."""
+    """2:4 masks stored in a record, by layer name, as 0/1 tensors of the weights' shapes.
+    ``record_file``: the record's path, needed when its masks are in a mask file (checked
+    against the record's size and hash)."""
+    return {name: unpack_bits(bits, 0, math.prod(shape)).view(shape).to(dtype)
+            for name, (shape, bits) in packed_masks_in_record(record, record_file).items()}
+
+
+def packed_masks_in_record(record: ScaleOffsetRecord, record_file: str | None = None
+                           ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """Layer name -> (mask shape, packed mask): what restore installs, never unpacked whole
+    (issue 19: a bool copy of every mask costs a byte per weight)."""
     masks = {}
     sidecars = SidecarReader(record_file)
     for pr in record.prune_record:
@@ -55,7 +66,7 @@ def masks_in_record(record: ScaleOffsetRecord, record_file: str | None = None,
         if shape is None or words is None:
             raise ValueError(f"record_file: selective_prune {node.name!r} lacks mask_shape or selective_mask")
         try:
-            masks[node.name] = unpack_mask(shape, words, dtype)
+            masks[node.name] = (tuple(int(d) for d in shape), bits_of_words(shape, words))
         except ValueError as exc:
             raise ValueError(f"record_file: selective_prune {node.name!r}: {exc}") from None
     return masks
@@ -97,10 +108,9 @@ def excess_over_2_of_4(keep: torch.Tensor, axis: int, groups: int) -> int:
 
 @dataclass
 class SparsityState:
-    masks: dict[str, torch.Tensor | None]  # layer -> the record's mask (restore) or None
-    recorded: dict[str, torch.Tensor] = field(default_factory=dict)  # restore: installed from the record
+    masks: dict[str, tuple[tuple[int, ...], torch.Tensor] | None]  # layer -> the record's (shape, packed mask) or None
+    recorded: dict[str, torch.Tensor] = field(default_factory=dict)  # restore: packed masks installed from the record
     versions: dict[str, int] = field(default_factory=dict)  # mask versions the record describes
-    packed: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # layer -> (mask version, its words)
     blob: tuple[tuple, MaskBlob] | None = None  # the last mask file's content, by (layer, version)s
 
 
@@ -121,7 +131,7 @@ class Sparsity24(Technique):
         return SparsityState({lp.name: None for lp in self.planned(ctx.plan)})
 
     def from_record(self, ctx: Context) -> SparsityState:
-        masks = masks_in_record(ctx.record, ctx.record_file, torch.bool)
+        masks = packed_masks_in_record(ctx.record, ctx.record_file)
         return SparsityState({lp.name: masks.get(lp.name) for lp in self.planned(ctx.plan)} | {
             n: m for n, m in masks.items() if n not in ctx.plan.layers or ctx.plan.layers[n].nm is None})
 
@@ -131,26 +141,27 @@ class Sparsity24(Technique):
             if name not in planned:
                 raise ValueError(f"record_file holds a 2:4 mask for layer {name!r}, which the config does not "
                                  "sparsify in this model (record from another model or config?)")
-        for name, mask in state.masks.items():
-            weight = ctx.model.get_submodule(name).weight
-            if mask is not None and tuple(mask.shape) != tuple(weight.shape):
-                raise ValueError(f"record_file: the 2:4 mask of layer {name!r} has shape {list(mask.shape)} but "
-                                 f"the layer's weight is {list(weight.shape)} (record from another model?)")
-            if mask is not None:
-                from openamct.prune.nm import nm_axis, nm_groups
+        from openamct.prune.nm import nm_axis, nm_groups
 
-                module = ctx.model.get_submodule(name)
-                check_nm_pattern(mask, nm_axis(module), nm_groups(module),
-                                 f"record_file: selective_prune {name!r} (selective_mask)")
+        for name, packed in state.masks.items():
+            if packed is None:
+                continue
+            shape, bits = packed
+            module = ctx.model.get_submodule(name)
+            if shape != tuple(module.weight.shape):
+                raise ValueError(f"record_file: the 2:4 mask of layer {name!r} has shape {list(shape)} but "
+                                 f"the layer's weight is {list(module.weight.shape)} (record from another model?)")
+            check_nm_pattern(unpack_bits(bits, 0, math.prod(shape)).view(shape), nm_axis(module), nm_groups(module),
+                             f"record_file: selective_prune {name!r} (selective_mask)")
 
     def apply(self, ctx: Context, state: SparsityState) -> None:
         from openamct.prune.nm import NMSparsifier
 
-        for name, mask in state.masks.items():
+        for name, packed in state.masks.items():
             sp = NMSparsifier.from_module(ctx.model.get_submodule(name), ctx.plan.layers[name].nm.update_freq)
-            if mask is not None:
-                sp.set_mask(mask)
-                state.recorded[name] = mask.bool()  # the record's own tensor: no copy
+            if packed is not None:
+                sp.set_mask_bits(packed[1])
+                state.recorded[name] = packed[1]
             ctx.parts_of(name).sparsity = sp
 
     writes_sidecar = True
@@ -158,28 +169,21 @@ class Sparsity24(Technique):
     def to_record(self, state: SparsityState, layers, record: ScaleOffsetRecord,
                   sidecar: SidecarOut | None = None) -> None:
         ready = {n: sp for n, sp in _sparsifiers(layers).items() if sp._ready}
-        if sidecar is None or sum(sp.mask.numel() for sp in ready.values()) < SIDECAR_MIN_WEIGHTS:
+        if sidecar is None or sum(sp.weight_shape.numel() for sp in ready.values()) < SIDECAR_MIN_WEIGHTS:
             for name, sp in ready.items():
                 add_mask_entry(record, name, sp.mask)
             return
         key = tuple((n, sp.version) for n, sp in ready.items())
         if state.blob is None or state.blob[0] != key:
-            state.blob = (key, MaskBlob([(n, self._packed(state, n, sp, v)) for (n, v), sp in
-                                         zip(key, ready.values())]))
+            # The held bits are the words' bytes: the blob copies them once, nothing is packed.
+            state.blob = (key, MaskBlob([(n, words_of_bits(sp.mask_bits)) for n, sp in ready.items()]))
         blob = state.blob[1]
         sidecar.add(blob)
         for name, sp in ready.items():
             node = record.prune_record.add().selective_prune
             node.name = name
-            attrs.add_ints(node, "mask_shape", sp.mask.shape)
+            attrs.add_ints(node, "mask_shape", sp.weight_shape)
             blob.describe(node, name, sidecar.record_base)
-
-    @staticmethod
-    def _packed(state: SparsityState, name: str, sp, version: int) -> bytes:
-        cached = state.packed.get(name)
-        if cached is None or cached[0] != version:
-            state.packed[name] = cached = (version, pack_mask_bytes(sp.mask))
-        return cached[1]
 
     def record_due(self, state: SparsityState, layers) -> bool:
         return any(state.versions.get(n) != sp.version for n, sp in _sparsifiers(layers).items())
@@ -196,11 +200,11 @@ class Sparsity24(Technique):
         sparsifiers = _sparsifiers(layers)
         for name, sp in sparsifiers.items():
             if bool(sp.mask_ready):
-                check_nm_pattern(sp.mask, sp.axis, sp.groups, repr(name + ".sparsity.mask"))
-        differ = [n for n, mask in state.recorded.items() if not torch.equal(sparsifiers[n].mask.bool(), mask)]
+                check_nm_pattern(sp.mask, sp.axis, sp.groups, repr(name + ".sparsity.mask_bits"))
+        differ = [n for n, bits in state.recorded.items() if not torch.equal(sparsifiers[n].mask_bits, bits)]
         if differ:
             logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's (the record was "
                            "rewritten after this checkpoint, update_freq > 0); using the checkpoint's, which belong "
                            "to its weights", len(differ), ", ".join(differ[:4]) + (" ..." if len(differ) > 4 else ""))
-        state.recorded = {}  # compared once; holding them would cost a byte per weight
+        state.recorded = {}  # compared once
         self.mark_recorded(state, layers)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from openamct.prune.mask_bits import pack_bits
 from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import checkout_env
@@ -84,7 +85,7 @@ def test_ddp_ranks_agree_record_restore_and_save(scenarios, api):
     masks = masks_in_record(record)
     assert set(masks) == (set() if api == "qat" else SPARSE)
     for name, mask in masks.items():
-        assert torch.equal(mask, sd0[f"{name}.sparsity.mask"].float())
+        assert torch.equal(pack_bits(mask), sd0[f"{name}.sparsity.mask_bits"])
 
     # restore_* on every rank gave the trained outputs and trained on under DDP.
     for rank in (0, 1):

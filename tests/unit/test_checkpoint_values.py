@@ -3,6 +3,7 @@ one is a ValueError naming the checkpoint key."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,17 +32,27 @@ def _restore(d, sd, name="bad.pth"):
 
 def _edit(sd, key, fn):
     sd = dict(sd)
-    sd[key] = fn(sd[key].clone())
+    sd[key] = fn(sd[key].clone() if key in sd else _legacy_mask(sd, key))
     return sd
+
+
+def _legacy_mask(sd, key):
+    """A checkpoint from before masks were packed holds ``<layer>.sparsity.mask``: bool (or, older,
+    float) of the weight's shape."""
+    bits = sd.pop(key + "_bits")
+    shape = sd[key.removesuffix(".sparsity.mask") + ".weight"].shape
+    return torch.from_numpy(np.unpackbits(bits.numpy())[: shape.numel()].copy()).view(torch.bool).reshape(shape)
 
 
 CASES = [
     ("conv.weight", lambda t: t.mul(100).long(), r"'conv.weight' has dtype torch.int64 but the model's is torch.float32"),
     ("fc.weight", lambda t: t.index_fill_(1, torch.tensor([0]), float("nan")), r"'fc.weight' holds 4 NaN/inf value"),
-    # masks are bool since issue 19: a 0.5 can only come in a float (older) checkpoint's mask
+    # masks are packed bits since issue 19: a 0.5 can only come in a float (older) checkpoint's mask
     ("conv.sparsity.mask", lambda t: t.float().fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
-    ("conv.sparsity.mask", lambda t: t.fill_(1.0), r"'conv.sparsity.mask' is not a 2:4 mask: \d+ group\(s\) of 4 weights "
-                                                   r"keep more than 2 \(1152 of 1152 weights kept\)"),
+    ("conv.sparsity.mask", lambda t: t.float()[:3], r"shape mismatch conv.sparsity.mask: checkpoint \(3, 8, 3, 3\) vs model \(16, 8, 3, 3\)"),
+    ("conv.sparsity.mask_bits", lambda t: t.fill_(255), r"'conv.sparsity.mask_bits' is not a 2:4 mask: \d+ group\(s\) "
+                                                        r"of 4 weights keep more than 2 \(1152 of 1152 weights kept\)"),
+    ("conv.sparsity.mask", lambda t: t.fill_(True), r"'conv.sparsity.mask_bits' is not a 2:4 mask"),
     ("fc.sparsity.step", lambda t: t.double(), r"'fc.sparsity.step' has dtype torch.float64 but the model's is torch.int64"),
 ]
 
@@ -57,6 +68,18 @@ def test_the_clean_checkpoint_restores(trained):
     d, sd = trained
     m = _restore(d, sd, "good.pth")
     assert torch.equal(m.state_dict()["conv.weight"], sd["conv.weight"])
+
+
+@pytest.mark.parametrize("old_dtype", [torch.bool, torch.float32])
+def test_a_checkpoint_with_unpacked_masks_restores_the_same_masks(trained, old_dtype):
+    """Checkpoints written before the masks were packed (bool, and float before that) load."""
+    d, sd = trained
+    old = _edit(_edit(sd, "conv.sparsity.mask", lambda t: t.to(old_dtype)), "fc.sparsity.mask",
+                lambda t: t.to(old_dtype))
+    assert "conv.sparsity.mask_bits" not in old and old["conv.sparsity.mask"].dtype == old_dtype
+    m = _restore(d, old, "old.pth")
+    for layer in ("conv", "fc"):
+        assert torch.equal(m.state_dict()[f"{layer}.sparsity.mask_bits"], sd[f"{layer}.sparsity.mask_bits"])
 
 
 def test_clips_that_leave_no_range_are_reported(trained, caplog):

@@ -10,13 +10,14 @@ from torch import nn
 from openamct.compressed import fused_linear
 from openamct.compressed.fused_linear import masked_quant_linear
 from openamct.compressed.layer import CompressedLayer
+from openamct.prune.mask_bits import pack_bits
 from openamct.prune.nm import NMSparsifier, _MaskSTE, apply_mask, compute_nm_mask
 from openamct.quant.functions import arq_weight_fake_quant
 from openamct.quant.quantizers import WeightARQ
 
 
-def _composed(x, w, b, mask, channel_wise, transposed):
-    wm = w if mask is None else _MaskSTE.apply(w, mask)
+def _composed(x, w, b, mask_bits, channel_wise, transposed):
+    wm = w if mask_bits is None else _MaskSTE.apply(w, mask_bits)
     wq = wm if channel_wise is None else arq_weight_fake_quant(wm, channel_wise, int(transposed))
     return nn.functional.linear(x, wq.t() if transposed else wq, b)
 
@@ -43,7 +44,7 @@ def test_outputs_and_gradients_are_bit_identical_to_the_composed_path(shape, tra
     x = torch.randn(*shape, generator=g, requires_grad=True)
     w = torch.randn(*((64, out_f) if transposed else (out_f, 64)), generator=g, requires_grad=True)
     b = torch.randn(out_f, generator=g, requires_grad=True) if bias else None
-    mask = compute_nm_mask(w.detach(), 0 if transposed else 1, as_bool=True) if masked else None
+    mask = pack_bits(compute_nm_mask(w.detach(), 0 if transposed else 1, as_bool=True)) if masked else None
     dy = torch.randn(*shape[:-1], out_f, generator=g)
     inputs = [x, w] + ([b] if bias else [])
     y_ref = _composed(x, w, b, mask, channel_wise, transposed)
@@ -104,7 +105,7 @@ def test_the_fused_step_trains_like_the_composed_one():
     fused_linear.release_scratch()
     fused(x).square().sum().backward()
     assert fused_linear._scratch.tensors  # the fused path ran
-    w, mask = composed.weight, composed.sparsity.current_mask(composed.weight)
+    w, mask = composed.weight, composed.sparsity.current_bits(composed.weight)
     _composed(x, w, composed.bias, mask, True, False).square().sum().backward()
     assert torch.equal(fused.weight.grad, composed.weight.grad)
     assert torch.equal(fused.bias.grad, composed.bias.grad)
@@ -129,7 +130,7 @@ def test_model_code_may_modify_the_output_in_place():
     y = fused(x)
     y += 1.0
     y.square().sum().backward()
-    mask = composed.sparsity.current_mask(composed.weight)
+    mask = composed.sparsity.current_bits(composed.weight)
     y_ref = _composed(x, composed.weight, composed.bias, mask, True, False)
     y_ref += 1.0
     y_ref.square().sum().backward()

@@ -232,15 +232,19 @@ def test_state_dict_round_trip_and_set_mask():
     for _ in range(3):
         parent["sp"](layer.weight + torch.randn_like(layer.weight))
     sd = parent.state_dict()
-    assert set(sd) == {"sp.mask", "sp.mask_ready", "sp.step"}
-    # bool: a byte per weight, not a float copy of the weight (issue 19)
-    assert sd["sp.mask"].dtype == torch.bool and sd["sp.step"].dtype == torch.int64
+    assert set(sd) == {"sp.mask_bits", "sp.mask_ready", "sp.step"}
+    # packed: a bit per weight, not a float copy of the weight nor a byte (issue 19)
+    assert sd["sp.mask_bits"].dtype == torch.uint8 and sd["sp.mask_bits"].shape == (layer.weight.numel() // 8,)
+    assert sd["sp.step"].dtype == torch.int64
     fresh = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
     fresh.load_state_dict(sd)
     assert torch.equal(fresh["sp"].mask, parent["sp"].mask) and fresh["sp"].version == 1
-    older = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
-    older.load_state_dict({**sd, "sp.mask": sd["sp.mask"].float()})  # a float mask (before issue 19)
-    assert older["sp"].mask.dtype == torch.bool and torch.equal(older["sp"].mask, parent["sp"].mask)
+    assert not parent["sp"].mask.all() and parent["sp"].mask.dtype == torch.bool
+    for old_dtype in (torch.float32, torch.bool):  # float masks before issue 19, then bool
+        older = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
+        unpacked = {k: v for k, v in sd.items() if k != "sp.mask_bits"} | {"sp.mask": parent["sp"].mask.to(old_dtype)}
+        older.load_state_dict(unpacked)
+        assert torch.equal(older["sp"].mask_bits, parent["sp"].mask_bits) and older["sp"].version == 1
     # Host-side schedule resumes: step 3 -> forward at step 3 is not a multiple of 2.
     before = fresh["sp"].mask.clone()
     fresh["sp"](layer.weight.detach() * 0 + torch.arange(8.0).view(1, 8, 1, 1))
@@ -345,8 +349,10 @@ def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, 
 
 @pytest.mark.parametrize(
     "layer",
-    [nn.Linear(18, 10), nn.Conv2d(10, 6, 3), nn.ConvTranspose2d(12, 6, 3, groups=2)],
-    ids=["linear", "conv2d", "grouped-convtranspose"],
+    [nn.Linear(18, 10), nn.Linear(13, 10), nn.Conv2d(10, 6, 3), nn.ConvTranspose2d(12, 6, 3, groups=2),
+     nn.ConvTranspose2d(16, 6, 3, groups=2), nn.ConvTranspose2d(22, 5, 3)],
+    ids=["linear", "linear-rows-of-13-bits", "conv2d", "grouped-convtranspose-padded", "grouped-convtranspose",
+         "convtranspose"],
 )
 def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer, monkeypatch):
     import openamct.prune.nm as nm
@@ -363,3 +369,17 @@ def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer,
     sp(w2)
     assert torch.equal(sp.mask, compute_nm_mask(w2, nm_axis(layer), groups=nm_groups(layer), as_bool=True))
     assert sp.version == 2  # one recompute that changed bits in several slices: one change
+
+
+def test_hf_conv1d_masks_are_computed_in_slices_along_its_input_axis(monkeypatch):
+    """GPT-2's Conv1D stores [in, out]: 2:4 groups run down dim 0, which the slices cut."""
+    import openamct.prune.nm as nm
+
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 40)
+    torch.manual_seed(4)
+    layer = Conv1D(8, 22)  # weight [22, 8]: a row is a whole byte, and 40 elements are 5 rows
+    sp = NMSparsifier.from_module(layer, update_freq=0).train()
+    assert sp.axis == 0 and len(sp._pieces()[0]) > 2
+    sp(layer.weight.detach())
+    assert torch.equal(sp.mask, compute_nm_mask(layer.weight.detach(), 0, as_bool=True))

@@ -7,6 +7,7 @@ import torch
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
+from openamct.prune.mask_bits import pack_bits
 from openamct.prune.nm import compute_nm_mask
 from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
@@ -58,7 +59,7 @@ def test_restore_takes_masks_from_record_not_from_weights(tmp_path):
     rec, ck = str(tmp_path / "rec.txt"), str(tmp_path / "ck.pth")
     model = amct.create_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, 0), rec)
     train(model, x, steps=2)
-    sd = {k: v for k, v in model.state_dict().items() if not k.endswith(("sparsity.mask", "sparsity.mask_ready"))}
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith(("sparsity.mask_bits", "sparsity.mask_ready"))}
     torch.save(sd, ck)
     # the checkpoint lacks the masks: strict loading must tell so, not silently recompute them
     with pytest.raises(ValueError, match="missing keys.*sparsity.mask"):
@@ -77,10 +78,11 @@ def test_checkpoint_masks_newer_or_older_than_the_record(tmp_path, caplog):
     model(x)
     sd = model.state_dict()
     name = next(n for n in layers(model))
-    key = f"{name}.sparsity.mask"
-    other = sd[key].flip(layers(model)[name].sparsity.axis)  # another valid 2:4 pattern
-    assert not torch.equal(other, sd[key])
-    torch.save({"state_dict": {**sd, key: other}}, ck)
+    key = f"{name}.sparsity.mask_bits"
+    sp = layers(model)[name].sparsity
+    other = sp.mask.flip(sp.axis)  # another valid 2:4 pattern
+    assert not torch.equal(other, sp.mask)
+    torch.save({"state_dict": {**sd, key: pack_bits(other)}}, ck)
     before = open(rec, "rb").read()
     recorded = masks_in_record(read_record(rec))
     with caplog.at_level(logging.WARNING, logger="openamct"):
@@ -148,8 +150,10 @@ def test_record_mask_of_wrong_shape_names_the_layer(tmp_path):
         amct.restore_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x, rec, cfg(tmp_path, 0), ck)
 
 
-def test_checkpoint_with_float_masks_from_before_issue_19_restores(tmp_path):
-    """Masks are bool buffers now (a byte per weight); older checkpoints held float 0/1 masks."""
+@pytest.mark.parametrize("old_dtype", [torch.float32, torch.bool])
+def test_checkpoint_with_unpacked_masks_from_before_issue_19_restores(tmp_path, old_dtype):
+    """Masks are packed bits now; older checkpoints held float 0/1 masks, then bool ones, under
+    ``<layer>.sparsity.mask``."""
     x = torch.randn(4, 3, 32, 32)
     rec, ck = str(tmp_path / "rec.txt"), str(tmp_path / "ck.pth")
     model = amct.create_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, 0), rec)
@@ -157,10 +161,10 @@ def test_checkpoint_with_float_masks_from_before_issue_19_restores(tmp_path):
     model.eval()
     y = model(x)
     sd = model.state_dict()
-    masks = [k for k in sd if k.endswith("sparsity.mask")]
-    assert masks and all(sd[k].dtype == torch.bool for k in masks)
-    torch.save({k: (v.float() if k in masks else v) for k, v in sd.items()}, ck)
+    masks = {f"{n}.sparsity.mask": m.sparsity.mask.to(old_dtype) for n, m in layers(model).items()}
+    assert masks and all(k + "_bits" in sd for k in masks)
+    torch.save({k: v for k, v in sd.items() if not k.endswith("sparsity.mask_bits")} | masks, ck)
     restored = amct.restore_prune_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], rec, cfg(tmp_path, 0), ck)
     restored.eval()
     assert torch.equal(restored(x), y)
-    assert all(m.sparsity.mask.dtype == torch.bool for m in layers(restored).values())
+    assert all(torch.equal(m.sparsity.mask_bits, sd[f"{n}.sparsity.mask_bits"]) for n, m in layers(restored).items())
