@@ -84,11 +84,10 @@ def _is_kind(path: str, kind: str) -> bool:
     except OSError:
         return False
     if kind == "record":
-        from google.protobuf import text_format
+        from openamct.record.file_io import parse_record_text
 
-        from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
         try:
-            text_format.Merge(raw.decode("utf-8"), ScaleOffsetRecord())
+            parse_record_text(raw.decode("utf-8"))
         except Exception:  # any parse failure means: not a record
             return False
         return True

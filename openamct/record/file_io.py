@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from openamct._atomic import atomic_write_bytes
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.record.text_reader import Unsupported, fast_merge
 from openamct.record.text_writer import message_to_text
 from openamct.record.values import check_record_values
 
@@ -30,15 +31,28 @@ def read_record(path: str) -> ScaleOffsetRecord:
     if not raw.strip():
         raise ValueError(f"record_file {path!r} is empty ({len(raw)} bytes): it was not written by create_* "
                          "(or was cut short); run create_* again to write it")
-    record = ScaleOffsetRecord()
-    try:
-        text_format.Merge(text, record)
-    except text_format.ParseError as exc:
-        raise ValueError(f"record_file {path!r}: {exc}") from None
+    record = parse_record_text(text, f"record_file {path!r}")
     missing = record.FindInitializationErrors()
     if missing:
         raise ValueError(f"record_file {path!r}: missing required fields: {', '.join(missing)}")
     check_record_values(record, f"record_file {path!r}")
+    return record
+
+
+def parse_record_text(text: str, what: str = "record") -> ScaleOffsetRecord:
+    """The record a text holds, as ``text_format.Merge`` reads it: through ``text_reader`` (a
+    record's scales parse >10x faster), or ``text_format`` itself for anything outside the plain
+    subset writers print, and for its error messages (line:column)."""
+    record = ScaleOffsetRecord()
+    try:
+        fast_merge(text, record)
+        return record
+    except Unsupported:
+        record.Clear()
+    try:
+        text_format.Merge(text, record)
+    except text_format.ParseError as exc:
+        raise ValueError(f"{what}: {exc}") from None
     return record
 
 
