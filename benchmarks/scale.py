@@ -271,7 +271,8 @@ def report(size: str, life: dict, plain: dict) -> None:
     print(f"acceptance: create peak+ {life['create'][1] / w:.2f} W (<= 1.3); chain peak+ - plain export peak+ = "
           f"{(plain['chain'][1] - plain['plain_export'][1]) / w:.2f} W (<= 1.3); save / plain export "
           f"{life['save'][0] / plain['plain_export'][0]:.2f} (<= 2); steady / FP32 {steady / fp32:.2f} (<= 1.3); "
-          f"first / steady {life['train1'][0] / steady:.2f} (<= 2); record write "
+          f"first / steady {life['train1'][0] / steady:.2f} (<= 2; FP32's own first / steady "
+          f"{plain['fp32_step1'][0] / fp32:.2f}); record write "
           f"{life['record_write'][0] / (life['params'] / 1e9):.2f} s per 1e9 params (<= 1)")
 
 
