@@ -21,7 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.clip_grad import input_clip_grad
-from openamct.compressed.fused_linear import fused_ok, masked_quant_linear, release_scratch
+from openamct.compressed.fused_linear import (
+    eval_ok,
+    eval_weight,
+    fused_ok,
+    masked_quant_linear,
+    release_scratch,
+)
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
@@ -161,7 +167,7 @@ class CompressedLayer(WeightOp):
             masks.append(self.sparsity.mask_bits)
         return (self.weight.data_ptr(), self.weight._version, *((m.data_ptr(), m._version) for m in masks))
 
-    def _bias_on_int32_grid(self, w: Tensor, b: Tensor) -> Tensor:
+    def _bias_on_int32_grid(self, w: Tensor, b: Tensor, scales: Tensor | None = None) -> Tensor:
         """The bias rounded to the int32 grid (input scale x weight scale, float32) on which the
         deploy model's QLinearConv / QGemm adds it (export/deploy.py, ``_bias_to_int32``).
         Left float, this rounding was the deploy model's one departure from fake-quant: on an
@@ -174,7 +180,7 @@ class CompressedLayer(WeightOp):
             return b
         with torch.no_grad():
             sx = torch.tensor(aq.scale_offset()[0], dtype=torch.float32)
-            scale = sx * self.wts_quant.scales(w.detach()).float().reshape(-1)
+            scale = sx * (self.wts_quant.scales(w.detach()) if scales is None else scales).float().reshape(-1)
             q = torch.round(b.detach().float() / scale)
             if not bool(torch.all(q.abs() < 2**31 - 1)):
                 return b
@@ -231,6 +237,8 @@ class CompressedLayer(WeightOp):
             y = self._forward_fold_train(x, tap)
         elif tap is None and self._fused_training(x):
             y = self._forward_fused(x)
+        elif tap is None and self._scratch_eval(x):
+            y = self._forward_eval_scratch(x)
         else:
             y = self._op_tap(x, *self.effective_weight_bias(), tap)
         if self.out_observer is not None:
@@ -260,6 +268,24 @@ class CompressedLayer(WeightOp):
             q.last_scales = scales
             self._scales_seen = (self._weight_key(), scales)
         return y
+
+    def _scratch_eval(self, x: Tensor) -> bool:
+        """An eval forward under no_grad whose effective weight ``fused_linear`` builds in the
+        shared scratch (the same values bit for bit as ``effective_weight_bias``)."""
+        return (not self.training and (self.sparsity is not None or self.wts_quant is not None)
+                and self.plain_weight_path() and eval_ok(x, self.weight))
+
+    def _forward_eval_scratch(self, x: Tensor) -> Tensor:
+        w, q = self.weight, self.wts_quant
+        mask = None if self.sparsity is None else self.sparsity.current_bits(w)
+        weff, scales = eval_weight(w, mask, None if q is None else q.channel_wise, self.kind == "linear_t")
+        b = self.bias
+        if q is not None:
+            if b is not None:
+                b = self._bias_on_int32_grid(w, b, scales)
+            q.last_scales = scales
+            self._scales_seen = (self._weight_key(), scales)
+        return self._op(x, weff, b)
 
     def train(self, mode: bool = True) -> CompressedLayer:
         if not mode:  # eval and export need no training scratch: give its memory back

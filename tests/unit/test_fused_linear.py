@@ -148,3 +148,43 @@ def test_training_under_autocast_takes_the_composed_path():
     assert y.dtype == torch.bfloat16
     assert layer.weight.grad.dtype == torch.float32 and bool(layer.weight.grad.abs().sum() > 0)
     assert not fused_linear._scratch.tensors
+
+
+def _conv1d_layer(sparse: bool, channel_wise) -> CompressedLayer:
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D(32, 64)  # weight [64, 32]
+    torch.nn.init.normal_(conv1d.bias)
+    return CompressedLayer.wrap(conv1d, sparsity=NMSparsifier.from_module(conv1d, 0) if sparse else None,
+                                wts_quant=None if channel_wise is None else WeightARQ(channel_wise))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("sparse,channel_wise", [(True, True), (True, False), (False, True), (True, None)])
+def test_eval_without_grad_builds_the_weight_in_the_scratch_bit_for_bit(kind, sparse, channel_wise):
+    """Eval under no_grad (issue 19: no weight-sized allocation per layer) gives what the
+    composed eval gives: outputs, the bias on the int32 grid, and the scales the record reads."""
+    from openamct.quant.quantizers import ActULQ
+
+    torch.manual_seed(5)
+    if kind == "linear":
+        lin = nn.Linear(64, 32)
+        layer = CompressedLayer.wrap(lin, sparsity=NMSparsifier.from_module(lin, 0) if sparse else None,
+                                     wts_quant=None if channel_wise is None else WeightARQ(channel_wise),
+                                     act_quant=ActULQ())
+    else:
+        layer = _conv1d_layer(sparse, channel_wise)
+        layer.act_quant = ActULQ()
+    x = torch.randn(3, 5, 64)
+    layer.train()
+    layer(x).sum().backward()  # masks and clips initialised
+    layer.eval()
+    fused_linear.release_scratch()
+    with torch.no_grad():
+        y = layer(x)
+        seen = layer._scales_seen
+    assert fused_linear._scratch.tensors  # the scratch path ran
+    fused_linear.release_scratch()
+    y_ref = layer(x)  # grad enabled: the composed path
+    assert not fused_linear._scratch.tensors
+    assert torch.equal(y, y_ref)
+    if channel_wise is not None:
+        assert torch.equal(seen[1], layer._scales_seen[1]) and seen[0] == layer._scales_seen[0]
