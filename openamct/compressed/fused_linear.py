@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from openamct.prune.mask_bits import unpack_rows
-from openamct.prune.nm import apply_mask
+from openamct.prune.nm import apply_bits_rows
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
 
@@ -98,7 +97,7 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
 
 
 def _masked_into(w: Tensor, bits: Tensor | None, rows: slice, out: Tensor) -> Tensor:
-    return out.copy_(w[rows]) if bits is None else apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out)
+    return out.copy_(w[rows]) if bits is None else apply_bits_rows(w, bits, rows, out)
 
 
 def _quantize_(o: Tensor, scales: Tensor, channel_wise: bool, axis: int) -> None:
@@ -155,17 +154,20 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
+def _eager_float(x: Tensor, w: Tensor) -> bool:
+    """A float weight, outside graph capture and autocast (whose casts the composed path's
+    autograd carries through backward, and the fused Function would not)."""
+    return w.is_floating_point() and not graph_mode() and not _autocast_on(x.device.type)
+
+
 def eval_ok(x: Tensor, w: Tensor) -> bool:
     """An eager forward without autograd on a plain float weight, outside autocast."""
-    return (not torch.is_grad_enabled() and w.is_floating_point() and not graph_mode()
-            and not _autocast_on(x.device.type))
+    return not torch.is_grad_enabled() and _eager_float(x, w)
 
 
 def fused_ok(x: Tensor, w: Tensor) -> bool:
-    """Eager training forward on a plain float weight, outside autocast (whose casts the
-    composed path's autograd carries through backward, and this Function would not)."""
-    return (torch.is_grad_enabled() and w.requires_grad and w.is_floating_point()
-            and x.dim() >= 1 and not graph_mode() and not _autocast_on(x.device.type))
+    """Eager training forward on a plain float weight, outside autocast."""
+    return torch.is_grad_enabled() and w.requires_grad and x.dim() >= 1 and _eager_float(x, w)
 
 
 def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,

@@ -264,10 +264,14 @@ class CompressedLayer(WeightOp):
         mask = None if self.sparsity is None else self.sparsity.current_bits(w)
         y, scales = masked_quant_linear(x, w, self.bias, mask, None if q is None else q.channel_wise,
                                         self.kind == "linear_t")
-        if q is not None:
-            q.last_scales = scales
-            self._scales_seen = (self._weight_key(), scales)
+        self._saw_scales(scales)
         return y
+
+    def _saw_scales(self, scales: Tensor | None) -> None:
+        """The ARQ scales a fused forward quantized with, for the record (``weight_scales``)."""
+        if self.wts_quant is not None:
+            self.wts_quant.last_scales = scales
+            self._scales_seen = (self._weight_key(), scales)
 
     def _scratch_eval(self, x: Tensor) -> bool:
         """An eval forward under no_grad whose effective weight ``fused_linear`` builds in the
@@ -280,11 +284,9 @@ class CompressedLayer(WeightOp):
         mask = None if self.sparsity is None else self.sparsity.current_bits(w)
         weff, scales = eval_weight(w, mask, None if q is None else q.channel_wise, self.kind == "linear_t")
         b = self.bias
-        if q is not None:
-            if b is not None:
-                b = self._bias_on_int32_grid(w, b, scales)
-            q.last_scales = scales
-            self._scales_seen = (self._weight_key(), scales)
+        if q is not None and b is not None:
+            b = self._bias_on_int32_grid(w, b, scales)
+        self._saw_scales(scales)
         return self._op(x, weff, b)
 
     def train(self, mode: bool = True) -> CompressedLayer:

@@ -27,7 +27,8 @@ from openamct.quant.functions import graph_mode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "NMSparsifier"]
+__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "apply_bits_rows",
+           "NMSparsifier"]
 
 # Classes whose weight layout is [Cin, Cout/groups, ...]; every other conv and Linear is
 # [Cout, Cin/groups, ...].
@@ -216,8 +217,13 @@ def apply_bits(w: Tensor, bits: Tensor, out: Tensor | None = None) -> Tensor:
     if out is None:
         out = torch.empty_like(w, memory_format=torch.contiguous_format)
     for rows in row_slices(w.shape):
-        apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out[rows])
+        apply_bits_rows(w, bits, rows, out[rows])
     return out
+
+
+def apply_bits_rows(w: Tensor, bits: Tensor, rows: slice, out: Tensor) -> Tensor:
+    """Rows ``rows`` of ``w * mask`` (packed mask of ``w``'s shape) into ``out``, their buffer."""
+    return apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out)
 
 
 class _MaskSTE(torch.autograd.Function):

@@ -41,7 +41,7 @@ def read_record(path: str) -> ScaleOffsetRecord:
 
 def parse_record_text(text: str, what: str = "record") -> ScaleOffsetRecord:
     """The record a text holds, as ``text_format.Merge`` reads it: through ``text_reader`` (a
-    record's scales parse >10x faster), or ``text_format`` itself for anything outside the plain
+    250M model's record parses 4.7x faster), or ``text_format`` itself for anything outside the plain
     subset writers print, and for its error messages (line:column)."""
     record = ScaleOffsetRecord()
     try:

@@ -56,9 +56,9 @@ def _int(tok: str) -> int:
     raise Unsupported(tok)
 
 
-def _value(field, tok: str, tokens: list, i: int):
-    """The value of scalar ``field`` starting at ``tokens[i]`` (``tok``); (value, next index)."""
-    t = field.type
+def _value(field, tokens: list, i: int):
+    """The value of scalar ``field`` starting at ``tokens[i]``; (value, next index)."""
+    t, tok = field.type, tokens[i]
     if t in _FLOATS:
         return _float(tok), i + 1
     if t in _INTS:
@@ -121,7 +121,7 @@ def fast_merge(text: str, message) -> None:
                 continue
             if tokens[i] != ":" or i + 1 >= n:
                 raise Unsupported(tok)
-            value, i = _value(field, tokens[i + 1], tokens, i + 1)
+            value, i = _value(field, tokens, i + 1)
             if field.is_repeated:
                 pending.setdefault(tok, []).append(value)
             else:
