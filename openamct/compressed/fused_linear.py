@@ -17,37 +17,20 @@ Numerics: the same ops, in the same order, as ``_MaskSTE`` -> ``ARQWeightFunctio
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from openamct._workspace import Workspace
 from openamct.prune.nm import apply_bits_rows
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
-
-class _Scratch(threading.local):
-    """One flat tensor per thread and (dtype, device), grown to the largest weight seen."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[tuple, Tensor] = {}
-
-    def take(self, like: Tensor) -> Tensor:
-        key = (like.dtype, like.device)
-        flat = self.tensors.get(key)
-        if flat is None or flat.numel() < like.numel():
-            self.tensors.pop(key, None)  # free the smaller one before mapping the larger
-            flat = self.tensors[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return flat[:like.numel()].view(like.shape)
-
-
-_scratch = _Scratch()
+_scratch = Workspace()  # one effective weight per thread, as large as the largest layer
 
 
 def release_scratch() -> None:
     """Give the scratch memory back (eval and save call it; the next training step re-maps it)."""
-    _scratch.tensors.clear()
+    _scratch.release()
 
 
 _CHUNK_ELEMS = 1 << 20  # 4 MB of float32 per slice: it stays in cache across the passes on it
@@ -109,7 +92,7 @@ class _MaskedQuantLinear(Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
                 channel_wise: bool | None, transposed: bool):
-        weff = _scratch.take(w)
+        weff = _scratch.take_like("weight", w)
         with torch.no_grad():
             scales = _effective(w, mask, channel_wise, int(transposed), weff)
         y = torch.nn.functional.linear(x, weff.t() if transposed else weff, b)
@@ -126,7 +109,7 @@ class _MaskedQuantLinear(Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         if need_x:
-            weff = _scratch.take(w)
+            weff = _scratch.take_like("weight", w)
             _effective(w, mask, channel_wise, int(transposed), weff, scales)
             gx = g.mm(weff.t() if transposed else weff)
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
@@ -143,7 +126,7 @@ def eval_weight(w: Tensor, mask: Tensor | None, channel_wise: bool | None, trans
     shared scratch: valid until the next call. Eval otherwise allocated two or three new
     weight-sized tensors per layer, which above glibc's mmap threshold are fresh pages every
     forward (at 1.1B parameters most of the eval forward's time, issue 19)."""
-    weff = _scratch.take(w)
+    weff = _scratch.take_like("weight", w)
     return weff, _effective(w.detach(), mask, channel_wise, int(transposed), weff)
 
 

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from openamct._workspace import Workspace
 from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
 from openamct.prune.mask_bits import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
+from openamct.prune.nm_keep import keep24_into, nm_keep_flags
 from openamct.quant.functions import graph_mode
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ __all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask
 _TRANSPOSED = TRANSPOSED_CONVS
 _REGULAR = (*CONVS, nn.Linear)
 _MASK_CHUNK_ELEMS = 1 << 20  # weights per slice of a mask recompute (4 MB of |w|)
+_WS = Workspace()  # a recompute's per-slice temporaries (about 7 MB per thread)
 _KIND_AXIS = {cls.__name__: 0 for cls in _TRANSPOSED} | {cls.__name__: 1 for cls in _REGULAR}
 
 
@@ -118,49 +121,7 @@ def compute_nm_mask(
     dtype = torch.bool if as_bool else weight.dtype
     if weight.numel() == 0:
         return torch.ones_like(weight, dtype=dtype)
-    return _nm_keep(weight, axis % weight.dim(), n, m, groups).to(dtype)
-
-
-@torch.no_grad()
-def _nm_keep(weight: Tensor, axis: int, n: int, m: int, groups: int) -> Tensor:
-    """Bool keep-flags of :func:`compute_nm_mask` (arguments already validated). The sparsifier
-    takes them as bool and copies them straight into its resident mask buffer: allocating a
-    fresh float mask costs more than the comparisons themselves (first-touch page faults)."""
-    mag = torch.nan_to_num_(weight.detach().abs(), nan=float("inf"))
-    channels = weight.shape[axis]
-    per_group = channels // groups
-    padded = -(-per_group // m) * m
-    mag = mag.unflatten(axis, (groups, per_group))
-    if padded != per_group:
-        # -1 is below every real magnitude (>= 0): padding always loses.
-        pad_shape = list(mag.shape)
-        pad_shape[axis + 1] = padded - per_group
-        mag = torch.cat([mag, mag.new_full(pad_shape, -1.0)], dim=axis + 1)
-    mag = mag.unflatten(axis + 1, (padded // m, m))
-    keep = torch.stack(_keep_flags(mag.unbind(axis + 2), n), dim=axis + 2)
-    keep = keep.flatten(axis + 1, axis + 2).narrow(axis + 1, 0, per_group)
-    return keep.flatten(axis, axis + 1)
-
-
-def _keep_flags(pos: Sequence[Tensor], n: int) -> list[Tensor]:
-    """Per position of a group: is it among the n largest? ``pos[i] >= pos[j]`` for i < j
-    means i outranks j (a tie goes to the lower index); keep iff it outranks >= m - n others."""
-    m = len(pos)
-    beats = {(i, j): pos[i] >= pos[j] for i in range(m) for j in range(i + 1, m)}
-    if (n, m) == (2, 4):
-        # Outranking >= 2 of 3 others is a majority vote: bool ops on bytes, ~1.4x faster than
-        # counting in uint8 (update_freq > 0 recomputes this every few steps).
-        def maj(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-            return (a & b) | (c & (a | b))
-
-        b01, b02, b03, b12, b13, b23 = (beats[k] for k in sorted(beats))
-        return [maj(b01, b02, b03), maj(~b01, b12, b13), maj(~b02, ~b12, b23),
-                ~maj(b03, b13, b23)]
-    wins = [torch.zeros_like(pos[0], dtype=torch.uint8) for _ in range(m)]
-    for (i, j), i_wins in beats.items():
-        wins[i] += i_wins
-        wins[j] += ~i_wins
-    return [w >= (m - n) for w in wins]
+    return nm_keep_flags(weight, axis % weight.dim(), n, m, groups).to(dtype)
 
 
 def nm_eligible(module: nn.Module) -> tuple[bool, str]:
@@ -386,8 +347,10 @@ class NMSparsifier(nn.Module):
         pieces, groups = self._pieces()
         per_row = w[0].numel()
         changed = torch.zeros((), dtype=torch.bool, device=self.mask_bits.device)
+        fast = w.shape[self.axis] % (4 * groups) == 0  # 2:4 groups never padded nor cut by a conv group
         for rows in pieces:
-            keep = _nm_keep(w[rows], self.axis, 2, 4, groups)
+            x = w[rows]
+            keep = keep24_into(x, self.axis, _WS) if fast else nm_keep_flags(x, self.axis, 2, 4, groups)
             changed |= write_bits(self.mask_bits, rows.start * per_row, keep)
         self._mark_installed(changed)
 

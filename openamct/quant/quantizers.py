@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from openamct._checks import all_finite
 from openamct.quant.clip_init import init_clips
 from openamct.quant.functions import (
     SCALE_EPS,
@@ -86,7 +87,7 @@ class ActULQ(nn.Module):
     def _init_step(self, x: Tensor) -> None:
         if self._init_last_input is x:
             return
-        if x.numel() and not bool(torch.isfinite(x).all()):
+        if not all_finite(x):  # one sum, no bool copy of the batch
             raise ValueError(f"layer {self.layer_name or '?'!r}: its input batch holds NaN/inf values, so its "
                              "activation clips cannot be initialised from it: check the data (and the layers "
                              "before this one)")

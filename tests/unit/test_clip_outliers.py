@@ -73,3 +73,29 @@ def test_the_mse_of_each_candidate_is_the_quantizers_error_bit_for_bit():
     ref = torch.stack([((torch.round(x / s) + z).clamp(QMIN, QMAX) - z).mul(s).sub(x).square().mean()
                        for s, z in zip(scale, zp)])
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("case", ["normal", "ties", "max_in_tail", "inf", "nan", "relu6", "k_large"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_the_extremes_are_topks_values_exactly(case, largest):
+    """_extremes skips most of the values (block maxima bound the top k): it must still give
+    topk's values, in its order, whatever the data."""
+    from openamct.quant import clip_init
+
+    gen = torch.Generator().manual_seed(len(case))
+    n, k = 131072 + 777, 9  # a tail past the last whole block
+    x = torch.randn(n, generator=gen)
+    if case == "ties":
+        x = torch.randint(-3, 4, (n,), generator=gen).float()
+    elif case == "max_in_tail":
+        x[-5:] = torch.tensor([50.0, -50.0, 40.0, -40.0, 45.0])
+    elif case == "inf":
+        x[[3, 90000]] = torch.tensor([float("inf"), float("-inf")])
+    elif case == "nan":
+        x[1234] = float("nan")
+    elif case == "relu6":
+        x = x.mul(4).clamp(0, 6)  # a quarter of the values equal the top one
+    elif case == "k_large":
+        k = 2000
+    got = clip_init._extremes(x, k, largest)
+    torch.testing.assert_close(got, torch.topk(x, k, largest=largest).values, rtol=0, atol=0, equal_nan=True)

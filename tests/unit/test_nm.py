@@ -383,3 +383,25 @@ def test_hf_conv1d_masks_are_computed_in_slices_along_its_input_axis(monkeypatch
     assert sp.axis == 0 and len(sp._pieces()[0]) > 2
     sp(layer.weight.detach())
     assert torch.equal(sp.mask, compute_nm_mask(layer.weight.detach(), 0, as_bool=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape,axis", [((6, 16), 1), ((16, 6), 0), ((4, 8, 3, 3), 1), ((8, 4, 2), 0)])
+def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(dtype, shape, axis, monkeypatch):
+    """The recompute's 2:4 path (keep24_into, temporaries in reused buffers) against the plain
+    reference, on ties, signed zeros, +-inf and NaN; twice in a row, so the second run reads
+    buffers the first one filled."""
+    import openamct.prune.nm as nm
+    import openamct.prune.nm_keep as nm_keep
+
+    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 24)  # several slices through the same buffers
+    gen = torch.Generator().manual_seed(sum(shape) + axis)
+    vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, float("inf"), float("-inf"), float("nan"), 0.5, -2.0])
+    for _ in range(2):
+        w = vals[torch.randint(0, len(vals), shape, generator=gen)].to(dtype)
+        sp = NMSparsifier(shape, axis, update_freq=0).train()
+        sp(w)
+        flat = w.float().nan_to_num(nan=float("inf")).movedim(axis, -1).reshape(-1, shape[axis])
+        ref = _reference_mask(flat, 2, 4).reshape(*w.movedim(axis, -1).shape).movedim(-1, axis)
+        assert torch.equal(sp.mask, ref.bool())
+        assert torch.equal(nm_keep.keep24_into(w, axis, nm._WS), compute_nm_mask(w, axis, as_bool=True))
