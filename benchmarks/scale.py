@@ -337,8 +337,10 @@ def main() -> None:
         grow = lb["params"] / la["params"]
         print(f"\ngrowth {a} -> {b} ({grow:.1f}x params), time growth / param growth: " + ", ".join(
             f"{k} {lb[k][0] / la[k][0] / grow:.2f}" for k in ("create", "train1", f"train{STEPS}", "eval", "save")))
+        # A peak under 1% of the weights is noise (a step that reused freed memory): no ratio.
         print(f"growth {a} -> {b}, peak+ growth / param growth: " + ", ".join(
-            f"{k} {lb[k][1] / max(la[k][1], 1) / grow:.2f}" for k in ("create", "train1", "eval", "save")))
+            f"{k} {lb[k][1] / la[k][1] / grow:.2f}" if la[k][1] > 0.01 * la["weights"] else f"{k} -"
+            for k in ("create", "train1", "eval", "save")))
 
 
 if __name__ == "__main__":
