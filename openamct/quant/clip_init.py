@@ -34,7 +34,7 @@ _HANDFUL = 8  # extreme values ignored on each side (at most n // _PER of them)
 _PER = 1024  # one ignored value per this many: small tensors keep their true extremes
 _BLOCKS = 1024  # blocks whose maxima bound the top values from below (_extremes)
 _FAR = 4.0  # ignored values beyond _FAR x the kept extreme get a warning
-_WS = Workspace()  # the search's chunk buffer (4 MB per thread)
+_WS = Workspace()  # the search's chunk buffer and subsample (at most 5 MB per thread)
 _RATIOS = (0.7, 1.3, 61)  # start, end, count: 0.01 steps, both ends included
 _CHUNK_ELEMS = 1 << 20  # candidates x values per chunk: 4 MB of float32 stays in cache across the eight passes (6x faster than 16 MB, measured)
 
@@ -90,8 +90,9 @@ def _mse(x: Tensor, cmax: Tensor, cmin: Tensor) -> Tensor:
     scale = ((cmax - cmin) / LEVELS).clamp(min=SCALE_EPS)
     zp = torch.round(QMIN - cmin / scale).clamp(QMIN, QMAX)
     # One chunk buffer, kept across searches (_WS), rounded in place: two fresh tensors per
-    # chunk cost more than the arithmetic (2x on a 65k-value batch). Clamping to per-row tensor bounds
-    # instead of add/clamp/sub would save two passes but is slower still (a scalar loop).
+    # chunk cost more than the arithmetic (2x on a 65k-value batch). Clamping to per-row
+    # tensor bounds instead of add/clamp/sub would save two passes but is slower still (a
+    # scalar loop).
     out = torch.empty_like(scale)
     step = max(1, _CHUNK_ELEMS // max(1, x.numel()))
     buf = _WS.take("chunk", (min(step, scale.numel()), x.numel()), x.dtype, x.device)
