@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from openamct.compressed.clip_grad import input_clip_grad
 from openamct.compressed.fused_linear import (
+    eval_linear,
     eval_ok,
-    eval_weight,
     fused_ok,
     masked_quant_linear,
     release_scratch,
@@ -274,20 +274,20 @@ class CompressedLayer(WeightOp):
             self._scales_seen = (self._weight_key(), scales)
 
     def _scratch_eval(self, x: Tensor) -> bool:
-        """An eval forward under no_grad whose effective weight ``fused_linear`` builds in the
-        shared scratch (the same values bit for bit as ``effective_weight_bias``)."""
+        """An eval forward under no_grad that ``fused_linear`` computes as a training step does:
+        no weight-sized allocation (the product within a few ulps of ``effective_weight_bias``'s)."""
         return (not self.training and (self.sparsity is not None or self.wts_quant is not None)
                 and self.plain_weight_path() and eval_ok(x, self.weight))
 
     def _forward_eval_scratch(self, x: Tensor) -> Tensor:
         w, q = self.weight, self.wts_quant
         mask = None if self.sparsity is None else self.sparsity.current_bits(w)
-        weff, scales = eval_weight(w, mask, None if q is None else q.channel_wise, self.kind == "linear_t")
+        y, scales = eval_linear(x, w, mask, None if q is None else q.channel_wise, self.kind == "linear_t")
         b = self.bias
         if q is not None and b is not None:
             b = self._bias_on_int32_grid(w, b, scales)
         self._saw_scales(scales)
-        return self._op(x, weff, b)
+        return y if b is None else y.add_(b)
 
     def train(self, mode: bool = True) -> CompressedLayer:
         if not mode:  # eval and export need no training scratch: give its memory back
