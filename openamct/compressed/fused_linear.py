@@ -20,6 +20,8 @@ products differ from one matmul with E only in the summation order (a few ulps).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch.autograd import Function
@@ -128,8 +130,8 @@ def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, a
     if _whole_scales_needed(channel_wise, axis, scales):
         scales = _scales_over_rows(w, mask, channel_wise, axis, view)
     if reduce:
-        out = lhs.new_zeros(lhs.shape[0], w[0].numel()) if not w.shape[0] else \
-            lhs.new_empty(lhs.shape[0], w[0].numel())
+        cols = math.prod(w.shape[1:])
+        out = lhs.new_empty(lhs.shape[0], cols) if w.shape[0] else lhs.new_zeros(lhs.shape[0], cols)
 
         def then(rows: slice, o: Tensor) -> None:
             part, o2 = lhs[:, rows], o.reshape(o.shape[0], -1)

@@ -230,3 +230,13 @@ def test_eval_without_grad_computes_as_a_training_step(kind, sparse, channel_wis
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     if channel_wise is not None:
         assert torch.equal(seen[1], layer._scales_seen[1]) and seen[0] == layer._scales_seen[0]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_layer_without_outputs_gives_empty_outputs_and_zero_input_gradients(transposed):
+    w = torch.randn(*((8, 0) if transposed else (0, 8)), requires_grad=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    y, _ = masked_quant_linear(x, w, None, None, None, transposed)
+    assert y.shape == (3, 0)
+    (gx,) = torch.autograd.grad(y.sum(), [x])
+    assert torch.equal(gx, torch.zeros(3, 8))
