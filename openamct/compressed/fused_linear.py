@@ -43,10 +43,10 @@ _CHUNK_ELEMS = 1 << 20  # 4 MB of float32 per slice: it stays in cache across th
 # Up to this many rows of input (tokens), a product with the effective weight runs a slice of
 # its rows at a time, each multiplied as soon as it is built (``_sliced_product``): the weight
 # is then read from memory once, as a plain matmul reads it, instead of read, written whole to
-# the scratch and read back (at 1.1B parameters, 4.4 GB more written per pass, whose write-back
-# also slowed the weight gradient's matmul by 40%). Measured on 2 EPYC cores, a 5632x2048 Linear's forward: 64 rows 18.7
-# -> 14.5 ms (plain F.linear 12.2), 256 rows 43.0 -> 41.6 ms; at 1024 rows slices are slower
-# (131 -> 158 ms): the matmul is then bound by arithmetic, and small ones pack the input again.
+# the scratch (4.4 GB per pass at 1.1B parameters) and read back. Measured on 2 EPYC cores, a
+# 5632x2048 Linear's forward: 64 rows 18.7 -> 14.5 ms (plain F.linear 12.2), 256 rows 43.0 ->
+# 41.6 ms; at 1024 rows slices are slower (131 -> 158 ms): the matmul is then bound by
+# arithmetic, and small ones pack the input again.
 SLICED_MAX_ROWS = 256
 
 
@@ -135,7 +135,10 @@ def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, a
 
         def then(rows: slice, o: Tensor) -> None:
             part, o2 = lhs[:, rows], o.reshape(o.shape[0], -1)
-            torch.mm(part, o2, out=out) if rows.start == 0 else out.addmm_(part, o2)
+            if rows.start == 0:
+                torch.mm(part, o2, out=out)
+            else:
+                out.addmm_(part, o2)
     else:
         out = lhs.new_empty(w.shape[0], lhs.shape[0])  # transposed: each slice's rows are contiguous
 
