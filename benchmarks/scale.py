@@ -9,8 +9,10 @@ began", divided by the model's weight bytes, so sizes compare directly, and as t
 absolute peak. For reference, a plain FP32 training step and a plain float ``torch.onnx.export``
 (same exporter and opset as save) run in separate processes, and so does the acceptance's
 create -> eval forward -> save chain: memory a finished step freed would otherwise be reused by
-the next one and hide its peak. The last line prints each acceptance figure of issue 19 beside
-its bound.
+the next one and hide its peak. A last process alternates steady steps of ours and of FP32
+(PLATFORM-NOTES measures fake-quant training cost interleaved), so both ratios of the steady
+step are printed: against FP32 in its own process, and interleaved. The last line prints each
+acceptance figure of issue 19 beside its bound.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --sizes 1.1b --allow-1b   # needs ~20 GB
@@ -212,6 +214,35 @@ def run_steps(size: str, seq: int, folder: str) -> dict:
     return out
 
 
+INTERLEAVED = 6  # steady steps of each, ours and FP32 alternating
+
+
+def run_interleaved(size: str, seq: int, folder: str) -> dict:
+    """Steady steps of ours and of plain FP32, alternating in one process (PLATFORM-NOTES
+    measures fake-quant training cost this way): both see the same moment of the machine, whose
+    speed drifts by tens of percent between processes minutes apart on this VM. The caller's
+    model trains in FP32, its compressed copy as ours; each first step is left out."""
+    import torch
+
+    import openamct as amct
+
+    model, ids, cfg, rec = _setup(size, seq, folder)
+    work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+    runs = {}
+    for name, m in (("ours", work), ("fp32", model)):
+        m.train()
+        runs[name] = (m, torch.optim.SGD([q for q in m.parameters() if q.requires_grad], lr=1e-4))
+        _step(m, ids, runs[name][1])
+    work._openamct.wait()  # the first step's record write
+    times = {name: [] for name in runs}
+    for _ in range(INTERLEAVED):
+        for name, (m, opt) in runs.items():
+            t = time.perf_counter()
+            _step(m, ids, opt)
+            times[name].append(time.perf_counter() - t)
+    return {"interleaved": times}
+
+
 def run_export(size: str, seq: int, folder: str) -> dict:
     """A plain float export in a fresh process (after training steps the allocator would
     already hold memory the export reuses, and its peak would look smaller)."""
@@ -229,7 +260,7 @@ def run_export(size: str, seq: int, folder: str) -> dict:
 
 
 PARTS = {"lifecycle": run_lifecycle, "ort_load": run_ort_load, "restore": run_restore, "chain": run_chain,
-         "steps": run_steps, "export": run_export}
+         "steps": run_steps, "export": run_export, "interleaved": run_interleaved}
 
 
 def child(args) -> None:
@@ -276,12 +307,16 @@ def report(size: str, life: dict, plain: dict) -> None:
     print(f"first step: {first:.2f} s = steady {steady:.2f} s + {extra:.2f} s; FP32's first step is its steady one "
           f"+ {fp32_extra:.2f} s; one-time work {extra - fp32_extra:.2f} s = {(extra - fp32_extra) / steady:.2f} x the "
           f"steady step")
+    inter = {k: statistics.median(v) for k, v in plain["interleaved"].items()}
+    print(f"interleaved in one process ({INTERLEAVED} steps each, medians): ours {inter['ours']:.2f} s, FP32 "
+          f"{inter['fp32']:.2f} s, ratio {inter['ours'] / inter['fp32']:.2f}")
     print(f"ratios: steady step / FP32 step {steady / fp32:.2f}, first / steady {first / steady:.2f}, "
           f"save / plain export {life['save'][0] / plain['plain_export'][0]:.2f}, "
           f"save peak+ - plain export peak+ = {(life['save'][1] - plain['plain_export'][1]) / w:.2f} W")
     print(f"acceptance: create peak+ {life['create'][1] / w:.2f} W (<= 1.3); chain peak+ - plain export peak+ = "
           f"{(plain['chain'][1] - plain['plain_export'][1]) / w:.2f} W (<= 1.3); save / plain export "
-          f"{life['save'][0] / plain['plain_export'][0]:.2f} (<= 2); steady / FP32 {steady / fp32:.2f} (<= 1.3); "
+          f"{life['save'][0] / plain['plain_export'][0]:.2f} (<= 2); steady / FP32 {steady / fp32:.2f} (fresh "
+          f"processes), {inter['ours'] / inter['fp32']:.2f} (interleaved) (<= 1.3); "
           f"first / steady {first / steady:.2f} (<= 2; FP32's own first / steady "
           f"{plain['fp32_step1'][0] / fp32:.2f}); record write "
           f"{life['record_write'][0] / (life['params'] / 1e9):.2f} s per 1e9 params (<= 1)")
@@ -329,7 +364,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:
             life = {k: v for part in ("lifecycle", "ort_load", "restore") for k, v in
                     spawn(part, size, args, folder).items()}
-        plain = {k: v for part in ("chain", "steps", "export") for k, v in spawn(part, size, args).items()}
+        plain = {k: v for part in ("chain", "steps", "export", "interleaved") for k, v in spawn(part, size, args).items()}
         results[size] = (life, plain)
         report(size, life, plain)
     for a, b in zip(sizes, sizes[1:]):
