@@ -162,7 +162,7 @@ class _MaskedQuantLinear(Function):
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
                 channel_wise: bool | None, transposed: bool):
         with torch.no_grad():
-            y, scales = _linear(x, w, mask, channel_wise, transposed, b)
+            y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b)
         ctx.save_for_backward(x, w, mask, scales)
         ctx.meta = (channel_wise, transposed, b is not None)
         if scales is not None:
@@ -176,12 +176,7 @@ class _MaskedQuantLinear(Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         if need_x:  # g @ E (E.T when stored transposed): E's rows are summed over, or g's columns
-            if g.shape[0] <= SLICED_MAX_ROWS:
-                gx = _sliced_product(w, mask, channel_wise, int(transposed), g, scales, reduce=not transposed)[0]
-            else:
-                weff = _scratch.take_like("weight", w)
-                _effective(w, mask, channel_wise, int(transposed), weff, scales)
-                gx = g.mm(weff.t() if transposed else weff)
+            gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
             gw = x.t().mm(g) if transposed else g.t().mm(x)
         if need_b and has_bias:
@@ -189,16 +184,17 @@ class _MaskedQuantLinear(Function):
         return gx, gw, gb, None, None, None
 
 
-def _linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, transposed: bool,
-            b: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """(``F.linear(x, E, b)`` for 2-D ``x``, the ARQ scales or None): E's rows a slice at a time
-    for few input rows, else E built whole in the shared scratch."""
-    if x.shape[0] <= SLICED_MAX_ROWS:
-        y, scales = _sliced_product(w, mask, channel_wise, int(transposed), x, reduce=transposed)
+def _product(lhs: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int, *,
+             reduce: bool, scales: Tensor | None = None, b: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(``lhs @ E`` when ``reduce``, else ``lhs @ E.T``, plus ``b``; the ARQ scales or None) for
+    2-D ``lhs``: E's rows a slice at a time for few rows of ``lhs``, else E built whole in the
+    shared scratch (``F.linear``, as the composed path multiplies)."""
+    if lhs.shape[0] <= SLICED_MAX_ROWS:
+        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce)
         return (y if b is None else y.add_(b)), scales
     weff = _scratch.take_like("weight", w)
-    scales = _effective(w, mask, channel_wise, int(transposed), weff)
-    return torch.nn.functional.linear(x, weff.t() if transposed else weff, b), scales
+    scales = _effective(w, mask, channel_wise, axis, weff, scales)
+    return torch.nn.functional.linear(lhs, weff.t() if reduce else weff, b), scales
 
 
 @torch.no_grad()
@@ -209,7 +205,8 @@ def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | 
     layer, which above glibc's mmap threshold are fresh pages every forward (at 1.1B parameters
     most of the eval forward's time, issue 19). The caller adds the bias, which on the int32
     grid depends on the scales."""
-    y, scales = _linear(x.reshape(-1, x.shape[-1]), w.detach(), mask, channel_wise, transposed)
+    y, scales = _product(x.reshape(-1, x.shape[-1]), w.detach(), mask, channel_wise, int(transposed),
+                         reduce=transposed)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
 
 
