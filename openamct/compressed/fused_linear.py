@@ -27,15 +27,18 @@ from torch import Tensor
 from torch.autograd import Function
 
 from openamct._workspace import Workspace
+from openamct.compressed.code_pool import CodePool
 from openamct.prune.nm import apply_bits_rows
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
 _scratch = Workspace()  # one effective weight per thread, as large as the largest layer
+_codes = CodePool()  # E's grid values from a forward to its backward, reused across steps
 
 
 def release_scratch() -> None:
     """Give the scratch memory back (eval and save call it; the next training step re-maps it)."""
     _scratch.release()
+    _codes.release()
 
 
 _CHUNK_ELEMS = 1 << 20  # 4 MB of float32 per slice: it stays in cache across the passes on it
@@ -60,10 +63,11 @@ def _row_slices(w: Tensor):
 
 
 def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
-               out: Tensor, scales: Tensor | None = None) -> Tensor | None:
+               out: Tensor, scales: Tensor | None = None, codes: Tensor | None = None) -> Tensor | None:
     """Write mask(w) (``mask``: packed, ``mask_bits``' layout), fake-quantized when
-    ``channel_wise`` is not None, into ``out``; return
-    the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or None.
+    ``channel_wise`` is not None, into ``out`` (its int8 grid values into ``codes`` if given);
+    return the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or
+    None.
 
     A slice of rows at a time (issue 19): the mask, the scales' reduction and the three
     quantize passes then run on 4 MB that stays in cache, instead of six trips through memory
@@ -72,9 +76,10 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
     if _whole_scales_needed(channel_wise, axis, scales):  # the masked weight waits in ``out``
         scales = _scales_over_rows(w, mask, channel_wise, axis, lambda rows: out[rows])
         for rows in _row_slices(w):
-            _quantize_(out[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis)
+            _quantize_(out[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis,
+                       None if codes is None else codes[rows])
         return scales
-    return _each_slice(w, mask, channel_wise, axis, scales, lambda rows: out[rows])
+    return _each_slice(w, mask, channel_wise, axis, scales, lambda rows: out[rows], codes=codes)
 
 
 def _whole_scales_needed(channel_wise: bool | None, axis: int, scales: Tensor | None) -> bool:
@@ -93,9 +98,10 @@ def _scales_over_rows(w: Tensor, mask: Tensor | None, channel_wise: bool, axis: 
 
 
 def _each_slice(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
-                scales: Tensor | None, view, then=None) -> Tensor | None:
+                scales: Tensor | None, view, then=None, codes: Tensor | None = None) -> Tensor | None:
     """Build each slice of rows of the effective weight in ``view(rows)`` (per-row scales
-    computed as it goes, other scales given), then call ``then(rows, slice)``; the scales."""
+    computed as it goes, other scales given; grid values into ``codes``), then call
+    ``then(rows, slice)``; the scales."""
     per_row = channel_wise and axis == 0 and scales is None  # each slice holds whole channels
     if per_row:
         scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
@@ -104,7 +110,8 @@ def _each_slice(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis:
         if channel_wise is not None:
             if per_row:
                 scales[rows] = (_absmax_per_channel(o, 0).float() / QMAX).clamp_(min=SCALE_EPS)
-            _quantize_(o, _scales_of(scales, rows, channel_wise, axis), channel_wise, axis)
+            _quantize_(o, _scales_of(scales, rows, channel_wise, axis), channel_wise, axis,
+                       None if codes is None else codes[rows])
         if then is not None:
             then(rows, o)
     return scales
@@ -114,56 +121,98 @@ def _scales_of(scales: Tensor, rows: slice, channel_wise: bool, axis: int) -> Te
     return scales[rows] if channel_wise and axis == 0 else scales
 
 
+class _SlicedMM:
+    """``lhs @ E`` (``reduce``) or ``lhs @ E.T``, from slices of E's rows as they are built:
+    its rows are columns of the result, or with ``reduce`` a part of the sum, accumulated in a
+    result small enough to stay in cache."""
+
+    def __init__(self, lhs: Tensor, shape: torch.Size, reduce: bool) -> None:
+        self.lhs, self.rows, self.reduce = lhs, shape[0], reduce
+        if reduce:
+            cols = math.prod(shape[1:])
+            self.out = lhs.new_empty(lhs.shape[0], cols) if shape[0] else lhs.new_zeros(lhs.shape[0], cols)
+        else:  # transposed, so that each slice's rows are contiguous
+            self.out = lhs.new_empty(shape[0], lhs.shape[0])
+
+    def add(self, rows: slice, o: Tensor) -> None:
+        lhs, o2 = self.lhs, o.reshape(o.shape[0], -1)
+        if self.reduce:
+            if rows.start == 0:
+                torch.mm(lhs[:, rows], o2, out=self.out)
+            else:
+                self.out.addmm_(lhs[:, rows], o2)
+        elif rows.start == 0 and rows.stop == self.rows:  # one slice: no transposed copy
+            self.out = torch.mm(lhs, o2.t())
+            self.reduce = True  # the result is final
+        else:
+            torch.mm(o2, lhs.t(), out=self.out[rows])
+
+    def result(self) -> Tensor:
+        return self.out if self.reduce else self.out.t().contiguous()
+
+
+def _slice_buffer(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, object]:
+    step = min(like.shape[0], _row_step(like))
+    buf = _scratch.take("slice", (step, *like.shape[1:]), dtype, like.device)
+    return buf, lambda rows: buf[: rows.stop - rows.start]
+
+
 def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
-                    lhs: Tensor, scales: Tensor | None = None, *, reduce: bool) -> tuple[Tensor, Tensor | None]:
+                    lhs: Tensor, scales: Tensor | None = None, *, reduce: bool,
+                    codes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(a fresh contiguous ``lhs @ E`` when ``reduce``, else ``lhs @ E.T``; the ARQ scales or
     None), E the effective weight in ``w``'s layout (``_effective``'s). Each slice of E's rows
     is built in a small buffer and multiplied at once, so E never exists whole (see
-    ``SLICED_MAX_ROWS``): its rows are columns of the result, or with ``reduce`` a part of the
-    sum, accumulated in a result small enough to stay in cache.
+    ``SLICED_MAX_ROWS``).
 
     The same values as the product with the whole E up to the matmul's summation order, which
     smaller products block differently (a few ulps; the scales are bit-identical)."""
-    step = min(w.shape[0], _row_step(w))
-    buf = _scratch.take("slice", (step, *w.shape[1:]), w.dtype, w.device)
-    view = lambda rows: buf[: rows.stop - rows.start]  # noqa: E731
+    _, view = _slice_buffer(w, w.dtype)
     if _whole_scales_needed(channel_wise, axis, scales):
         scales = _scales_over_rows(w, mask, channel_wise, axis, view)
-    if reduce:
-        cols = math.prod(w.shape[1:])
-        out = lhs.new_empty(lhs.shape[0], cols) if w.shape[0] else lhs.new_zeros(lhs.shape[0], cols)
-
-        def then(rows: slice, o: Tensor) -> None:
-            part, o2 = lhs[:, rows], o.reshape(o.shape[0], -1)
-            if rows.start == 0:
-                torch.mm(part, o2, out=out)
-            else:
-                out.addmm_(part, o2)
-    else:
-        out = lhs.new_empty(w.shape[0], lhs.shape[0])  # transposed: each slice's rows are contiguous
-
-        def then(rows: slice, o: Tensor) -> None:
-            torch.mm(o.reshape(o.shape[0], -1), lhs.t(), out=out[rows])
-    scales = _each_slice(w, mask, channel_wise, axis, scales, view, then)
-    return (out if reduce else out.t().contiguous()), scales
+    mm = _SlicedMM(lhs, w.shape, reduce)
+    scales = _each_slice(w, mask, channel_wise, axis, scales, view, mm.add, codes)
+    return mm.result(), scales
 
 
 def _masked_into(w: Tensor, bits: Tensor | None, rows: slice, out: Tensor) -> Tensor:
     return out.copy_(w[rows]) if bits is None else apply_bits_rows(w, bits, rows, out)
 
 
-def _quantize_(o: Tensor, scales: Tensor, channel_wise: bool, axis: int) -> None:
-    s = scales.reshape(_bshape(o.dim(), axis)) if channel_wise else scales.reshape(())
-    o.mul_(s.reciprocal()).round_().mul_(s)
+def _broadcast(scales: Tensor, o: Tensor, channel_wise: bool, axis: int) -> Tensor:
+    return scales.reshape(_bshape(o.dim(), axis)) if channel_wise else scales.reshape(())
+
+
+def _quantize_(o: Tensor, scales: Tensor, channel_wise: bool, axis: int, codes: Tensor | None = None) -> None:
+    """Fake-quantize ``o`` in place; its integer grid values also into ``codes`` (int8)."""
+    s = _broadcast(scales, o, channel_wise, axis)
+    o.mul_(s.reciprocal()).round_()
+    if codes is not None:
+        codes.copy_(o)
+    o.mul_(s)
+
+
+def _dequantize_into(codes: Tensor, scales: Tensor, channel_wise: bool, axis: int, o: Tensor) -> Tensor:
+    """``_quantize_``'s result again from its codes: the same last multiply of the same values,
+    so the same bits."""
+    return o.copy_(codes).mul_(_broadcast(scales, o, channel_wise, axis))
 
 
 class _MaskedQuantLinear(Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
                 channel_wise: bool | None, transposed: bool):
+        # The input gradient needs E again. Rebuilt from w it costs the forward's mask, scales
+        # and quantize passes once more (11 ops a slice: on a 512x512 Linear with 64 rows, 0.65
+        # ms beside a 0.48 ms matmul); from E's int8 grid values kept here, one cast and one
+        # multiply. They cost a quarter of the weight's bytes until the backward, as an
+        # activation does.
+        codes = None
+        if channel_wise is not None and ctx.needs_input_grad[0]:
+            codes = _codes.lend(w.shape, w.device, ctx)
         with torch.no_grad():
-            y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b)
-        ctx.save_for_backward(x, w, mask, scales)
+            y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b, codes=codes)
+        ctx.save_for_backward(x, w, mask, scales, codes)
         ctx.meta = (channel_wise, transposed, b is not None)
         if scales is not None:
             ctx.mark_non_differentiable(scales)
@@ -171,12 +220,17 @@ class _MaskedQuantLinear(Function):
 
     @staticmethod
     def backward(ctx, g: Tensor, _gs):
-        x, w, mask, scales = ctx.saved_tensors
+        x, w, mask, scales, codes = ctx.saved_tensors
+        ctx.codes_read = True  # the pool may lend ``codes`` again once autograd frees them
         channel_wise, transposed, has_bias = ctx.meta
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         if need_x:  # g @ E (E.T when stored transposed): E's rows are summed over, or g's columns
-            gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
+            if codes is not None and bool(scales.isfinite().all()):
+                gx = _dequantized_product(g, codes, scales, channel_wise, int(transposed), w.dtype,
+                                          reduce=not transposed)
+            else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
+                gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
             gw = x.t().mm(g) if transposed else g.t().mm(x)
         if need_b and has_bias:
@@ -185,16 +239,34 @@ class _MaskedQuantLinear(Function):
 
 
 def _product(lhs: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int, *,
-             reduce: bool, scales: Tensor | None = None, b: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+             reduce: bool, scales: Tensor | None = None, b: Tensor | None = None,
+             codes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(``lhs @ E`` when ``reduce``, else ``lhs @ E.T``, plus ``b``; the ARQ scales or None) for
-    2-D ``lhs``: E's rows a slice at a time for few rows of ``lhs``, else E built whole in the
-    shared scratch (``F.linear``, as the composed path multiplies)."""
+    2-D ``lhs``, E's int8 grid values into ``codes`` if given: E's rows a slice at a time for
+    few rows of ``lhs``, else E built whole in the shared scratch (``F.linear``, as the
+    composed path multiplies)."""
     if lhs.shape[0] <= SLICED_MAX_ROWS:
-        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce)
+        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce, codes=codes)
         return (y if b is None else y.add_(b)), scales
     weff = _scratch.take_like("weight", w)
-    scales = _effective(w, mask, channel_wise, axis, weff, scales)
+    scales = _effective(w, mask, channel_wise, axis, weff, scales, codes)
     return torch.nn.functional.linear(lhs, weff.t() if reduce else weff, b), scales
+
+
+def _dequantized_product(lhs: Tensor, codes: Tensor, scales: Tensor, channel_wise: bool, axis: int,
+                         dtype: torch.dtype, *, reduce: bool) -> Tensor:
+    """``_product`` with E from the grid values a forward kept (the same E, bit for bit)."""
+    if lhs.shape[0] <= SLICED_MAX_ROWS:
+        _, view = _slice_buffer(codes, dtype)
+        mm = _SlicedMM(lhs, codes.shape, reduce)
+        for rows in _row_slices(codes):
+            mm.add(rows, _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis),
+                                          channel_wise, axis, view(rows)))
+        return mm.result()
+    weff = _scratch.take("weight", codes.shape, dtype, codes.device)
+    for rows in _row_slices(codes):
+        _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis, weff[rows])
+    return torch.nn.functional.linear(lhs, weff.t() if reduce else weff)
 
 
 @torch.no_grad()
