@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -76,12 +77,35 @@ class ActULQ(nn.Module):
         self.register_buffer("init_range", torch.zeros(2))
         self.register_buffer("init_clip_sum", torch.zeros(2, dtype=torch.float64))
         self._init_last_input: Tensor | None = None  # dedup for shared quantizers, init only
+        self._last: tuple | None = None  # (key, weakref to the output) of the last call
         self.layer_name = ""  # for messages: the (first) layer it quantizes the input of
 
     def forward(self, x: Tensor) -> Tensor:
-        if not graph_mode() and not bool(self.initialized):
+        if graph_mode():
+            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+        if not bool(self.initialized):
             self._init_step(x)
-        return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+        if x.is_inference():  # no version counter to prove it unchanged
+            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+        # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
+        # first call's output serves the others, so the fake quant and its backward run once
+        # per tensor, not once per reader (issue 19: each costs a dozen ops on the activation).
+        # Weak references: the output lives as long as its readers keep it, no longer.
+        key = (x._version, self.clip_max._version, self.clip_min._version, self.fixed_min._version,
+               torch.is_grad_enabled())
+        last = self._last
+        if last is not None and last[0]() is x and last[1] == key:
+            y = last[2]()
+            if y is not None:
+                return y
+        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+        self._last = (weakref.ref(x), key, weakref.ref(y))
+        return y
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_last"] = None  # weak references do not pickle
+        return state
 
     @torch.no_grad()
     def _init_step(self, x: Tensor) -> None:
