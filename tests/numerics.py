@@ -71,7 +71,11 @@ def assert_logits_agree(ref: np.ndarray, other: np.ndarray, *, max_rel_diff: flo
 # 25; the other two hit UNetTiny's ConvTranspose input, on which that 3-step model's output
 # does not measurably depend.
 NOISE_REL = 1e-5  # 4x the simulated float noise
-FLIP_REL = 0.05  # 2x the largest simulated flip
+# Real flips came larger than simulated: on an AVX2-only AMD EPYC, Net001 quant-only (the
+# compat test's computation, seeds 0-5, 1 and 2 threads) flipped one sample of 32 in 6 of 12
+# runs, by 3.0, 4.4 and 5.1 % of the output range (5.1 % failed the old 5 % bound). A flip moves
+# one sample; what catches a wrong scale, zero point or rounding is the clean share below.
+FLIP_REL = 0.12  # 2.3x the largest real flip measured
 MIN_CLEAN = 0.5  # 1.5x below the fewest clean elements simulated
 
 
@@ -93,3 +97,18 @@ def assert_same_quantized_function(ref: np.ndarray, out: np.ndarray, *, noise_re
     assert stats["clean"] >= min_clean, msg
     assert stats["max_rel_diff"] <= flip_rel, msg
     return stats
+
+
+def skip_unless_exact_int8_kernels() -> None:
+    """Skip the rest of a test that compares a deploy model run in ONNX Runtime with the
+    fake-quant model, on a CPU where ORT's uint8 x int8 kernels saturate (x86-64 without VNNI or
+    AMX: ``openamct/export/int8_kernels.py``). There ORT computes another function: measured on
+    an AVX2-only AMD EPYC, the test CNNs' deploy logits 6-23 % of their range off the fake-quant
+    ones (cosine 0.971-0.996) where VNNI and AMX machines stay within 1 %. What runs before the
+    call is still checked; the deploy comparison runs on the other machines."""
+    import pytest
+
+    from openamct.export.int8_kernels import u8s8_saturates
+
+    if u8s8_saturates():
+        pytest.skip("ONNX Runtime's uint8 x int8 kernels saturate on this CPU (x86-64 without VNNI/AMX)")

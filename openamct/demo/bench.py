@@ -12,6 +12,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from openamct.export.int8_kernels import warn_if_u8s8_saturates
 from openamct.export.ort_session import THREADS, latency_ms, session
 
 logger = logging.getLogger(__name__)
@@ -72,4 +73,4 @@ def measure(paths: dict[str, str], macs: dict[str, int], x_te, y_te) -> tuple[li
                        "size_bytes": size, "params": params, "nonzero": nonzero, "macs": macs[k],
                        "latency_ms": lat[k], "speedup": lat[base] / lat[k], "smaller": base_size / size})
     return models, {"batch": LATENCY_BATCH, "runs": LATENCY_RUNS, "threads": THREADS,
-                    "ort_version": ort.__version__}
+                    "ort_version": ort.__version__, "u8s8_saturates": warn_if_u8s8_saturates()}

@@ -89,17 +89,20 @@ def _mse(x: Tensor, cmax: Tensor, cmin: Tensor) -> Tensor:
     """MSE of the INT8 ULQ quantizer for each (cmax[i], cmin[i]) pair on values x."""
     scale = ((cmax - cmin) / LEVELS).clamp(min=SCALE_EPS)
     zp = torch.round(QMIN - cmin / scale).clamp(QMIN, QMAX)
+    # (round(x/s) + z).clamp(QMIN, QMAX) - z is round(x/s) clamped to [QMIN - z, QMAX - z], bit
+    # for bit (integers, exact in float32; a value past the bounds lands on them either way):
+    # two broadcast passes instead of three (clamp with tensor bounds is a scalar loop).
+    lo, hi = (QMIN - zp)[:, None], (QMAX - zp)[:, None]
     # One chunk buffer, kept across searches (_WS), rounded in place: two fresh tensors per
-    # chunk cost more than the arithmetic (2x on a 65k-value batch). Clamping to per-row
-    # tensor bounds instead of add/clamp/sub would save two passes but is slower still (a
-    # scalar loop).
+    # chunk cost more than the arithmetic (2x on a 65k-value batch).
     out = torch.empty_like(scale)
     step = max(1, _CHUNK_ELEMS // max(1, x.numel()))
     buf = _WS.take("chunk", (min(step, scale.numel()), x.numel()), x.dtype, x.device)
     for i in range(0, scale.numel(), step):
-        s, z = scale[i:i + step, None], zp[i:i + step, None]
+        s = scale[i:i + step, None]
         q = torch.div(x[None, :], s, out=buf[:s.shape[0]]).round_()
-        q.add_(z).clamp_(QMIN, QMAX).sub_(z).mul_(s)
+        torch.maximum(q, lo[i:i + step], out=q)
+        torch.minimum(q, hi[i:i + step], out=q).mul_(s)
         out[i:i + step] = q.sub_(x[None, :]).square_().mean(dim=1)
     return out
 

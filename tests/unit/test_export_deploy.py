@@ -18,9 +18,14 @@ from torch import nn
 
 import openamct as amct
 from examples.digits import load_digits
+from openamct.export.int8_kernels import u8s8_saturates
 from openamct.export.verify import format_verification, verify_pair
 from tests.models import MobileNetV2Tiny, ResBlockNet, TinyTransformerBlock
-from tests.numerics import assert_logits_agree, assert_same_quantized_function
+from tests.numerics import (
+    assert_logits_agree,
+    assert_same_quantized_function,
+    skip_unless_exact_int8_kernels,
+)
 
 QUANT_CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -142,6 +147,7 @@ def _session(path: str, level=None, optimized: str | None = None) -> ort.Inferen
 def test_deploy_agrees_with_fake_quant_on_real_digits(name, saved, digits):
     fake, deploy = saved[name]
     x = digits[2][:64].numpy()
+    skip_unless_exact_int8_kernels()
     a, b = _session(fake).run(None, {"x": x})[0], _session(deploy).run(None, {"x": x})[0]
     # Was "cosine >= 0.999 and argmax agreement >= 0.99": the latter holds only while no sample's
     # top-2 margin is as small as the deploy graph's rounding noise, which depends on where
@@ -210,9 +216,14 @@ def test_verify_pair_reports_agreement_and_latency(saved):
     fake, deploy = saved["ResBlockNet"]
     r = verify_pair(fake, deploy, (8, 1, 8, 8), runs=3)
     assert r["inputs"] == {"x": [8, 1, 8, 8]} and r["outputs"][0]["shape"] == [8, 10]
-    assert r["cosine"] > 0.99 and r["argmax_agreement"] is not None and r["fake_ms"] > 0 and r["deploy_ms"] > 0
+    assert r["argmax_agreement"] is not None and r["fake_ms"] > 0 and r["deploy_ms"] > 0
     text = format_verification(r)
     assert "cosine" in text and "argmax agreement" in text and "faster" in text
+    # Where ORT's u8s8 kernels saturate (x86-64 without VNNI) the report says so, and the
+    # agreement is ORT's, not the file's (measured cosine 0.94 here on an AVX2-only EPYC).
+    assert r["u8s8_saturates"] == u8s8_saturates() and ("without VNNI" in text) == r["u8s8_saturates"]
+    if not r["u8s8_saturates"]:
+        assert r["cosine"] > 0.99
     assert verify_pair(fake, deploy, (1, 1, 8, 8), batch=5, runs=1)["inputs"]["x"] == [5, 1, 8, 8]
 
 
