@@ -39,11 +39,14 @@ def format_table(results: dict) -> str:
 def format_summary(results: dict, out: str) -> str:
     """The table, deploy against FP32 in one line, and where the files went."""
     fp, dep, lat = results["models"][0], results["models"][-1], results["latency"]
+    note = (["note: this CPU is x86-64 without VNNI, where ONNX Runtime's uint8 x int8 kernels saturate: the "
+             "deploy accuracy above is ORT's here, not the file's (docs/export.md)"] if lat.get("u8s8_saturates") else [])
     return "\n".join([
         "", format_table(results), "",
         f"deploy vs FP32: {100 * (dep['accuracy'] - fp['accuracy']):+.1f} accuracy points, "
         f"{dep['speedup']:.1f}x faster, {dep['smaller']:.1f}x smaller "
         f"(latency: batch {lat['batch']}, {lat['threads']} threads, median of {lat['runs']})",
+        *note,
         f"wrote {out}/report.md, chart.png, results.json and the ONNX files in "
         f"{results['timing_s']['total']:.0f} s",
     ])

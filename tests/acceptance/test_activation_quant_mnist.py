@@ -24,7 +24,12 @@ import openamct as amct
 from openamct.demo.data import load_mnist_5k
 from openamct.demo.train import train_epochs
 from tests.acceptance.conftest import INT8_CFG, openvino_run, ort_run, write_cfg
-from tests.numerics import assert_logits_agree, assert_same_quantized_function, cosine
+from tests.numerics import (
+    assert_logits_agree,
+    assert_same_quantized_function,
+    cosine,
+    skip_unless_exact_int8_kernels,
+)
 from tests.se_model import SENet
 
 pytestmark = pytest.mark.slow
@@ -44,13 +49,14 @@ def test_se_net_deploy_matches_fake_quant(tmp_path):
     prefix = str(tmp_path / "m")
     amct.save_compressed_retrain_model(c, rec, prefix, x_tr[:1], input_names=["x"], dynamic_axes={"x": [0]})
     fake = ort_run(prefix + "_fake_quant_model.onnx", x_te)
-    deploy = ort_run(prefix + "_deploy_model.onnx", x_te)
     labels = y_te.numpy()
-    acc = {k: float(np.mean(v.argmax(1) == labels)) for k, v in (("torch", ref), ("fake", fake), ("deploy", deploy))}
-    assert acc["torch"] > 0.8, acc  # trained far enough for its decisions to mean something
-
+    assert float(np.mean(ref.argmax(1) == labels)) > 0.8  # trained far enough for its decisions to mean something
     assert cosine(fake, ref) >= 0.9999
     assert_same_quantized_function(ref, fake, what="fake-quant vs torch")
+    # OpenVINO's CPU int8 kernels saturate on the same CPUs as ORT's (its docs: AVX2 without VNNI)
+    skip_unless_exact_int8_kernels()
+    deploy = ort_run(prefix + "_deploy_model.onnx", x_te)
+    acc = {k: float(np.mean(v.argmax(1) == labels)) for k, v in (("torch", ref), ("fake", fake), ("deploy", deploy))}
     # deploy vs fake-quant: cosine bound of the issue; max diff a few times the measured 3.6 %;
     # 72-84 % of the images decisive (margin over twice the max diff), so the argmax check is not empty
     assert_logits_agree(fake, deploy, max_rel_diff=0.1, min_decisive=0.5, min_cosine=0.999,
