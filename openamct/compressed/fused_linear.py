@@ -127,7 +127,7 @@ class _SlicedMM:
     result small enough to stay in cache."""
 
     def __init__(self, lhs: Tensor, shape: torch.Size, reduce: bool) -> None:
-        self.lhs, self.rows, self.reduce = lhs, shape[0], reduce
+        self.lhs, self.rows, self.reduce, self.final = lhs, shape[0], reduce, reduce
         if reduce:
             cols = math.prod(shape[1:])
             self.out = lhs.new_empty(lhs.shape[0], cols) if shape[0] else lhs.new_zeros(lhs.shape[0], cols)
@@ -142,19 +142,19 @@ class _SlicedMM:
             else:
                 self.out.addmm_(lhs[:, rows], o2)
         elif rows.start == 0 and rows.stop == self.rows:  # one slice: no transposed copy
-            self.out = torch.mm(lhs, o2.t())
-            self.reduce = True  # the result is final
+            self.out, self.final = torch.mm(lhs, o2.t()), True
         else:
             torch.mm(o2, lhs.t(), out=self.out[rows])
 
     def result(self) -> Tensor:
-        return self.out if self.reduce else self.out.t().contiguous()
+        return self.out if self.final else self.out.t().contiguous()
 
 
-def _slice_buffer(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, object]:
+def _slice_view(like: Tensor, dtype: torch.dtype):
+    """``view(rows)``: the scratch's slice buffer, shaped for rows ``rows`` of ``like``."""
     step = min(like.shape[0], _row_step(like))
     buf = _scratch.take("slice", (step, *like.shape[1:]), dtype, like.device)
-    return buf, lambda rows: buf[: rows.stop - rows.start]
+    return lambda rows: buf[: rows.stop - rows.start]
 
 
 def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
@@ -167,7 +167,7 @@ def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, a
 
     The same values as the product with the whole E up to the matmul's summation order, which
     smaller products block differently (a few ulps; the scales are bit-identical)."""
-    _, view = _slice_buffer(w, w.dtype)
+    view = _slice_view(w, w.dtype)
     if _whole_scales_needed(channel_wise, axis, scales):
         scales = _scales_over_rows(w, mask, channel_wise, axis, view)
     mm = _SlicedMM(lhs, w.shape, reduce)
@@ -257,7 +257,7 @@ def _dequantized_product(lhs: Tensor, codes: Tensor, scales: Tensor, channel_wis
                          dtype: torch.dtype, *, reduce: bool) -> Tensor:
     """``_product`` with E from the grid values a forward kept (the same E, bit for bit)."""
     if lhs.shape[0] <= SLICED_MAX_ROWS:
-        _, view = _slice_buffer(codes, dtype)
+        view = _slice_view(codes, dtype)
         mm = _SlicedMM(lhs, codes.shape, reduce)
         for rows in _row_slices(codes):
             mm.add(rows, _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis),
