@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from openamct.export.int8_kernels import saturation_note
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["HEADER", "table_cells", "format_table", "format_summary", "markdown_report", "render_chart"]
@@ -39,8 +41,7 @@ def format_table(results: dict) -> str:
 def format_summary(results: dict, out: str) -> str:
     """The table, deploy against FP32 in one line, and where the files went."""
     fp, dep, lat = results["models"][0], results["models"][-1], results["latency"]
-    note = (["note: this CPU is x86-64 without VNNI, where ONNX Runtime's uint8 x int8 kernels saturate: the "
-             "deploy accuracy above is ORT's here, not the file's (docs/export.md)"] if lat.get("u8s8_saturates") else [])
+    note = [saturation_note("the deploy accuracy above is ORT's here, not the file's")] if lat.get("u8s8_saturates") else []
     return "\n".join([
         "", format_table(results), "",
         f"deploy vs FP32: {100 * (dep['accuracy'] - fp['accuracy']):+.1f} accuracy points, "

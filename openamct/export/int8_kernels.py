@@ -12,12 +12,13 @@ The file itself is right: the same file on a VNNI CPU, or on another runtime, co
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cpu_flags", "u8s8_saturates", "warn_if_u8s8_saturates"]
+__all__ = ["cpu_flags", "saturation_note", "u8s8_saturates", "warn_if_u8s8_saturates"]
 
 _EXACT = ("avx512_vnni", "avx_vnni", "amx_int8")  # dot products accumulated in int32
 
@@ -37,14 +38,24 @@ def u8s8_saturates(machine: str | None = None, cpuinfo: str | None = None) -> bo
     machine = platform.machine().lower() if machine is None else machine.lower()
     if machine not in ("x86_64", "amd64"):
         return False
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = cpu_flags(cpuinfo)
+    flags = _host_flags() if cpuinfo is None else cpu_flags(cpuinfo)
     return bool(flags) and not any(f in flags for f in _EXACT)
+
+
+@functools.cache
+def _host_flags() -> frozenset[str]:
+    """This machine's flags, read once (empty when /proc/cpuinfo cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return frozenset(cpu_flags(f.read()))
+    except OSError:
+        return frozenset()
+
+
+def saturation_note(what: str) -> str:
+    """The line a report prints under its ORT figures on such a CPU; ``what``: those figures."""
+    return (f"note: this CPU is x86-64 without VNNI, where ONNX Runtime's uint8 x int8 kernels saturate: "
+            f"{what} (docs/export.md)")
 
 
 _warned = False

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from openamct.export.int8_kernels import warn_if_u8s8_saturates
+from openamct.export.int8_kernels import saturation_note, warn_if_u8s8_saturates
 from openamct.export.ort_session import THREADS, latency_ms, session
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,5 @@ def format_verification(result: dict) -> str:
                  f"fake-quant {result['fake_ms']:.2f} ms, deploy {result['deploy_ms']:.2f} ms, "
                  f"deploy is {result['speedup']:.2f}x faster")
     if result.get("u8s8_saturates"):
-        lines.append("note: this CPU is x86-64 without VNNI, where ONNX Runtime's uint8 x int8 kernels saturate: "
-                     "the agreement above is lower than on CPUs with VNNI or AMX (docs/export.md)")
+        lines.append(saturation_note("the agreement above is lower than on CPUs with VNNI or AMX"))
     return "\n".join(lines)

@@ -77,15 +77,14 @@ class ActULQ(nn.Module):
         self.register_buffer("init_range", torch.zeros(2))
         self.register_buffer("init_clip_sum", torch.zeros(2, dtype=torch.float64))
         self._init_last_input: Tensor | None = None  # dedup for shared quantizers, init only
-        self._last: tuple | None = None  # (key, weakref to the output) of the last call
+        self._last: tuple | None = None  # (weakref to the input, key, weakref to the output) of the last call
         self.layer_name = ""  # for messages: the (first) layer it quantizes the input of
 
     def forward(self, x: Tensor) -> Tensor:
-        if graph_mode():
-            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
-        if not bool(self.initialized):
+        exporting = graph_mode()
+        if not exporting and not bool(self.initialized):
             self._init_step(x)
-        if x.is_inference():  # no version counter to prove it unchanged
+        if exporting or x.is_inference():  # an inference tensor has no version to prove it unchanged
             return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
         # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
         # first call's output serves the others, so the fake quant and its backward run once
