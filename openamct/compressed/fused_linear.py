@@ -123,31 +123,28 @@ def _scales_of(scales: Tensor, rows: slice, channel_wise: bool, axis: int) -> Te
 
 class _SlicedMM:
     """``lhs @ E`` (``reduce``) or ``lhs @ E.T``, from slices of E's rows as they are built:
-    its rows are columns of the result, or with ``reduce`` a part of the sum, accumulated in a
-    result small enough to stay in cache."""
+    its rows are a block of the result's columns, or with ``reduce`` a part of the sum,
+    accumulated in a result small enough to stay in cache."""
 
     def __init__(self, lhs: Tensor, shape: torch.Size, reduce: bool) -> None:
-        self.lhs, self.rows, self.reduce, self.final = lhs, shape[0], reduce, reduce
-        if reduce:
-            cols = math.prod(shape[1:])
-            self.out = lhs.new_empty(lhs.shape[0], cols) if shape[0] else lhs.new_zeros(lhs.shape[0], cols)
-        else:  # transposed, so that each slice's rows are contiguous
-            self.out = lhs.new_empty(shape[0], lhs.shape[0])
+        self.lhs, self.reduce = lhs, reduce
+        cols = math.prod(shape[1:]) if reduce else shape[0]
+        empty = reduce and not shape[0]  # a sum of nothing
+        self.out = lhs.new_zeros(lhs.shape[0], cols) if empty else lhs.new_empty(lhs.shape[0], cols)
 
     def add(self, rows: slice, o: Tensor) -> None:
         lhs, o2 = self.lhs, o.reshape(o.shape[0], -1)
-        if self.reduce:
-            if rows.start == 0:
-                torch.mm(lhs[:, rows], o2, out=self.out)
-            else:
-                self.out.addmm_(lhs[:, rows], o2)
-        elif rows.start == 0 and rows.stop == self.rows:  # one slice: no transposed copy
-            self.out, self.final = torch.mm(lhs, o2.t()), True
+        if not self.reduce:
+            # A block of columns has unit stride along its rows: BLAS writes it in place (the
+            # result of an lm_head's slices was a transposed copy, 11 ms of a 60M step).
+            torch.mm(lhs, o2.t(), out=self.out[:, rows])
+        elif rows.start == 0:
+            torch.mm(lhs[:, rows], o2, out=self.out)
         else:
-            torch.mm(o2, lhs.t(), out=self.out[rows])
+            self.out.addmm_(lhs[:, rows], o2)
 
     def result(self) -> Tensor:
-        return self.out if self.final else self.out.t().contiguous()
+        return self.out
 
 
 def _slice_view(like: Tensor, dtype: torch.dtype):

@@ -129,9 +129,11 @@ def _join(rows: np.ndarray, prefix: str) -> str:
 
 def _int_lines(values, prefix: str) -> str:
     """``prefix + str(v) + "\\n"`` for each v; each distinct value formatted once when they span
-    < 65536 (offsets: a few values), else one by one."""
+    < 65536 (offsets: a few values, weights' all zero), else one by one."""
     a = np.asarray(values)
     lo, hi = int(a.min()), int(a.max())
+    if lo == hi:  # one value (offset_w: all zeros): its line repeated
+        return f"{prefix}{lo}\n" * a.size
     if hi - lo >= 1 << 16:
         return prefix + ("\n" + prefix).join(map(str, values)) + "\n"
     idx = (a - a.dtype.type(lo)).astype(np.intp)

@@ -59,7 +59,7 @@ def _entry(layer: nn.Module) -> SingleLayerRecord | None:
         return None
     scale_d, offset_d = aq.scale_offset()
     with torch.no_grad():
-        scale_w = [float(s) for s in layer.weight_scales().reshape(-1).tolist()]
+        scale_w = layer.weight_scales().reshape(-1).float().tolist()
     entry = SingleLayerRecord(scale_d=scale_d, offset_d=offset_d)
     entry.scale_w.extend(scale_w)
     entry.offset_w.extend([0] * len(scale_w))

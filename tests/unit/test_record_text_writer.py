@@ -211,6 +211,9 @@ def test_ints():
                            offset_r=list(range(-5, 70000, 7)), shift_bit=[0, 2 ** 32 - 1, 5]))
     same(AttrProto(i=-2 ** 63, ints=[-2 ** 63, 2 ** 63 - 1, 0, -1, 10 ** 18]))
     same(SingleLayerRecord(offset_w=[0] * 1000 + [-128] * 3 + [127]))  # a few distinct values
+    for v in (0, -128, 2 ** 31 - 1):  # one value (a weight's offsets): its line repeated
+        same(SingleLayerRecord(offset_w=[v] * 777, shift_bit=[2 ** 32 - 1] * 3))
+    same(AttrProto(ints=[-2 ** 63] * 5))
     same(SingleLayerKVCacheRecord(offset=list(range(-40000, 40000, 3))))  # a wide span
 
 
