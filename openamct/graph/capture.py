@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -60,19 +61,21 @@ def _op_name(func: Any) -> tuple[str, bool]:
 def flatten_tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors inside nested tuples/lists/dicts (and dict-like model outputs), in order."""
     found: list[torch.Tensor] = []
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-        elif isinstance(o, (list, tuple)):
-            for item in o:
-                walk(item)
-        elif isinstance(o, dict):
-            for item in o.values():
-                walk(item)
-
-    walk(obj)
+    _walk(obj, found)
     return found
+
+
+def _walk(o: Any, found: list[torch.Tensor]) -> None:
+    # Not a closure: a nested function that calls itself is a reference cycle, which kept every
+    # list it filled (and their tensors) alive until the garbage collector ran.
+    if isinstance(o, torch.Tensor):
+        found.append(o)
+    elif isinstance(o, (list, tuple)):
+        for item in o:
+            _walk(item, found)
+    elif isinstance(o, dict):
+        for item in o.values():
+            _walk(item, found)
 
 
 class _Builder:
@@ -80,8 +83,11 @@ class _Builder:
 
     def __init__(self, model: nn.Module) -> None:
         self.nodes: list[Node] = []
-        self.by_id: dict[int, TensorInfo] = {}
-        self.keepalive: list[torch.Tensor] = []  # ids must stay unique while we run
+        # id(tensor) -> (weak reference to it, its info). Weak: a forward frees each activation
+        # once its last reader has run, and so does the capture (holding them all cost the
+        # whole forward's activations at once: +0.28x a 60M model's weights at create, issue
+        # 19); a freed tensor's id may come back for a new one, which the dead reference tells.
+        self.by_id: dict[int, tuple[weakref.ref, TensorInfo]] = {}
         self.next_key = 0
         self.counters: dict[str, int] = {}
         self.suppress = 0
@@ -101,12 +107,15 @@ class _Builder:
     def _new_info(self, t: torch.Tensor, producer: Node | None, index: int) -> TensorInfo:
         info = TensorInfo(self.next_key, tuple(t.shape), t.dtype, producer, index)
         self.next_key += 1
-        self.by_id[id(t)] = info
-        self.keepalive.append(t)
+        self.by_id[id(t)] = (weakref.ref(t), info)
         return info
 
+    def known(self, t: torch.Tensor) -> TensorInfo | None:
+        entry = self.by_id.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
     def lookup(self, t: torch.Tensor) -> TensorInfo:
-        info = self.by_id.get(id(t))
+        info = self.known(t)
         if info is None:
             info = self._new_info(t, None, 0)
             info.param_name = self.params.get(id(t))
@@ -173,8 +182,9 @@ class _Builder:
         opaque = _is_opaque(module)
         if self.suppress == int(opaque):  # not inside an opaque module
             self.calls[name] = self.calls.get(name, 0) + 1
-            if isinstance(output, torch.Tensor) and not opaque and id(output) in self.by_id:
-                self.module_outputs.setdefault(self.by_id[id(output)].key, name)  # inner hooks run first
+            info = self.known(output) if isinstance(output, torch.Tensor) and not opaque else None
+            if info is not None:
+                self.module_outputs.setdefault(info.key, name)  # inner hooks run first
         if opaque:
             self.suppress -= 1
             if self.suppress == 0:
