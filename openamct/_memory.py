@@ -1,4 +1,5 @@
-"""Give freed heap memory back to the operating system between the phases of a save.
+"""Give memory back to the operating system: freed heap between the phases of a save, and the
+pages of a memory-mapped checkpoint once they are copied into the model.
 
 Why (issue 19): glibc serves allocations below its mmap threshold (up to 32 MB, raised as
 larger blocks are freed) from the heap, and a heap with a small live block above freed ones
@@ -13,25 +14,50 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
+from collections.abc import Iterable
+
+import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["return_free_memory"]
+__all__ = ["return_free_memory", "drop_file_pages"]
 
 
-def _load_trim():
+def _libc_function(name: str, argtypes: list, restype):
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
-_TRIM = _load_trim()
+_TRIM = _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+_MADVISE = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # Linux, macOS
 
 
 def return_free_memory() -> None:
     if _TRIM is not None:
         _TRIM(0)
+
+
+def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
+    """Drop the resident pages of tensors that ``torch.load(mmap=True)`` mapped from a file and
+    that will not be written: read again, they come back from the file. A restore copies a
+    checkpoint into the model a part at a time and drops each part's pages, so it holds the
+    working copy plus one part instead of plus the whole file (issue 19: +2.2x the weights at
+    1.1B parameters). Only for file mappings: on anonymous memory the same call would zero the
+    pages, so callers pass nothing else. Where madvise is missing, nothing is done (the kernel
+    still reclaims clean file pages under pressure)."""
+    if _MADVISE is None or _DONTNEED is None:
+        return
+    page = mmap.PAGESIZE
+    for t in tensors:
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        lo, hi = -(-start // page) * page, (start + storage.nbytes()) // page * page
+        if hi > lo:  # whole pages inside this storage; an edge page shared with the next stays
+            _MADVISE(lo, hi - lo, _DONTNEED)

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from openamct._checks import all_finite
+from openamct._memory import drop_file_pages
 from openamct.log_summary import warn_grouped
 
 logger = logging.getLogger(__name__)
@@ -22,15 +24,20 @@ def _keys_preview(keys, n: int = 8) -> str:
 
 def read_state_dict(pth_file: str, state_dict_name: str | None) -> Mapping[str, torch.Tensor]:
     """The state dict in ``pth_file`` (``ckpt[state_dict_name]`` when a name is given)."""
+    return _read(pth_file, state_dict_name)[0]
+
+
+def _read(pth_file: str, state_dict_name: str | None) -> tuple[Mapping[str, torch.Tensor], bool]:
+    """(the state dict, whether its tensors are mapped from the file)."""
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     try:
         try:
             # Memory-mapped: a billion-parameter checkpoint is read into the model's own tensors
-            # by load_state_dict, never held whole beside them (issue 19).
-            ckpt = torch.load(pth_file, map_location="cpu", weights_only=True, mmap=True)
+            # a part at a time, never held whole beside them (issue 19, ``load_into``).
+            ckpt, mapped = torch.load(pth_file, map_location="cpu", weights_only=True, mmap=True), True
         except Exception:  # a legacy (non-zip) file cannot be mapped; any other fault repeats below
-            ckpt = torch.load(pth_file, map_location="cpu", weights_only=True)
+            ckpt, mapped = torch.load(pth_file, map_location="cpu", weights_only=True), False
     except Exception as exc:  # whatever the weights-only unpickler raises on a bad file (also IndexError, KeyError, struct.error)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
@@ -49,11 +56,13 @@ def read_state_dict(pth_file: str, state_dict_name: str | None) -> Mapping[str, 
             if nested:
                 hint = f"; it holds nested dicts under {_keys_preview(nested)}: pass state_dict_name"
         raise ValueError(f"pth_file {pth_file!r} does not hold a state dict (name -> tensor){hint}")
-    return ckpt
+    return ckpt, mapped
 
 
-def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], pth_file: str) -> None:
-    """Each value as it enters: dtype kind, finiteness, 0/1 masks, clip order (issue 16)."""
+def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], pth_file: str
+                  ) -> list[tuple[str, str]]:
+    """Each value of ``own``'s keys as it enters: dtype kind, finiteness, 0/1 masks, clip order
+    (issue 16); the collapsed quantizers found, for one warning."""
     where = f"pth_file {pth_file!r}"
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
@@ -62,7 +71,7 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
                 not mine.is_floating_point() and value.dtype != mine.dtype and value.numel())):
             raise ValueError(f"{where}: {key!r} has dtype {value.dtype} but the model's is {mine.dtype}: save "
                              "the checkpoint from the model that create_*/restore_* returned, without casting it")
-        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+        if value.is_floating_point() and not all_finite(value):  # (isfinite: 2.8x the tensor)
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(f"{where}: {key!r} holds {bad} NaN/inf value(s) (training diverged?): "
                              "resume from an earlier checkpoint")
@@ -82,8 +91,8 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
                 collapsed.append((key[:-len(".act_quant.clip_max")],
                                   f"inverted clips ({key!r} = {cmax:g}, {cmin_key!r} = {cmin:g}) leave the "
                                   "quantizer an empty range: its input quantizes to one value"))
+    return collapsed
 
-    warn_grouped(logger, f"{where}: collapsed activation quantizer(s)", collapsed)
 
 def _check_01(value: torch.Tensor, key: str, where: str) -> None:
     if value.dtype != torch.bool and value.numel() and not bool(((value == 0) | (value == 1)).all()):
@@ -116,8 +125,9 @@ def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.T
 
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
     """Load strictly; a checkpoint of another model is a ValueError listing what differs."""
-    sd = read_state_dict(pth_file, state_dict_name)
+    sd, mapped = _read(pth_file, state_dict_name)
     own = model.state_dict()
+    from_file = set(sd) if mapped else set()  # not the masks packed below: those are new memory
     sd = _pack_legacy_masks(sd, own, model, pth_file)
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
@@ -133,6 +143,32 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> N
             parts.append("shape mismatches " + "; ".join(shapes[:5]))
         raise ValueError(f"pth_file {pth_file!r} does not match the compressed model (was it saved from the "
                          f"model that create_*/restore_* returned, with this config and record?): {'; '.join(parts)}")
-    _check_values(sd, own, pth_file)
-    model.load_state_dict(sd, strict=True)
+    collapsed = []
+    total = sum(t.nbytes for t in own.values())
+    for keys in _parts(own, min(LOAD_PART_BYTES, max(total // LOAD_PARTS, 1))):
+        part = {k: sd[k] for k in keys}
+        collapsed += _check_values(sd, {k: own[k] for k in keys}, pth_file)
+        model.load_state_dict(part, strict=False)  # keys and shapes were matched above
+        drop_file_pages(part[k] for k in keys if k in from_file)
+    warn_grouped(logger, f"pth_file {pth_file!r}: collapsed activation quantizer(s)", collapsed)
     logger.info("loaded %d tensors from %s", len(sd), pth_file)
+
+
+# A restore copies the checkpoint into the model a part at a time (at least LOAD_PARTS parts,
+# each at most LOAD_PART_BYTES), dropping each part's file pages once copied
+# (``drop_file_pages``): it then holds the working copy plus one part, where one
+# load_state_dict of the mapped file held the working copy plus the file.
+LOAD_PART_BYTES = 256 << 20
+LOAD_PARTS = 16
+
+
+def _parts(own: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """The model's keys, in its order, cut into runs of about ``limit`` bytes."""
+    parts, part, size = [], [], 0
+    for key, t in own.items():
+        part.append(key)
+        size += t.nbytes
+        if size >= limit:
+            parts.append(part)
+            part, size = [], 0
+    return parts + [part] if part else parts

@@ -394,11 +394,13 @@ class NMSparsifier(nn.Module):
                                   f"the weight's is {list(self.weight_shape)}")
                 return
             state_dict[prefix + "mask_bits"] = pack_bits(legacy)
-        old = self.mask_bits.detach().clone()
+        # (A restore loads a part of the checkpoint at a time: the mask may be in another part.)
+        old = self.mask_bits.detach().clone() if prefix + "mask_bits" in state_dict else None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         with torch.no_grad():
-            if self.mask_bits.shape == old.shape and not torch.equal(self.mask_bits, old.to(self.mask_bits)):
+            if old is not None and self.mask_bits.shape == old.shape and not torch.equal(
+                    self.mask_bits, old.to(self.mask_bits)):
                 self._changes.add_(1)
         self._ready = bool(self.mask_ready.item())
         self._step = int(self.step.item())

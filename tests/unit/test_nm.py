@@ -347,6 +347,29 @@ def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, 
     assert excess_over_2_of_4(compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True), axis, groups) == 0
 
 
+@pytest.mark.parametrize("shape,axis,groups", [((8, 6, 3, 3), 1, 1), ((12, 5, 3, 3), 0, 3), ((10, 8), 1, 1),
+                                               ((6, 4, 2), 0, 2)])
+@pytest.mark.parametrize("slice_elems", [1, 30, 1 << 20])
+def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_elems, monkeypatch):
+    """check_nm_pattern reads the packed mask a slice of rows at a time (restore's memory, issue
+    19): it refuses what the whole-mask count refuses, with the same counts, wherever the
+    excess lies (here: only in the last row)."""
+    from openamct.prune.mask_bits import pack_bits
+    from openamct.techniques import sparsity24
+    from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
+
+    monkeypatch.setattr(sparsity24, "_CHECK_ELEMS", slice_elems)
+    torch.manual_seed(0)
+    good = compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True)
+    check_nm_pattern(pack_bits(good), shape, axis, groups, "m")
+    bad = good.clone()
+    bad[-1] = True
+    extra = excess_over_2_of_4(bad, axis, groups)
+    assert extra > 0
+    with pytest.raises(ValueError, match=rf"m is not a 2:4 mask: {extra} group\(s\) .* \({int(bad.sum())} of "):
+        check_nm_pattern(pack_bits(bad), shape, axis, groups, "m")
+
+
 @pytest.mark.parametrize(
     "layer",
     [nn.Linear(18, 10), nn.Linear(13, 10), nn.Conv2d(10, 6, 3), nn.ConvTranspose2d(12, 6, 3, groups=2),
