@@ -124,7 +124,9 @@ def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.T
 
 
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
-    """Load strictly; a checkpoint of another model is a ValueError listing what differs."""
+    """Load strictly; a checkpoint of another model is a ValueError listing what differs, before
+    anything is copied. Values are checked as each part enters (``LOAD_PARTS``): a bad one fails
+    the restore, which then returns no model, and its working copy is dropped."""
     sd, mapped = _read(pth_file, state_dict_name)
     own = model.state_dict()
     from_file = set(sd) if mapped else set()  # not the masks packed below: those are new memory
