@@ -143,9 +143,6 @@ class _SlicedMM:
         else:
             self.out.addmm_(lhs[:, rows], o2)
 
-    def result(self) -> Tensor:
-        return self.out
-
 
 def _slice_view(like: Tensor, dtype: torch.dtype):
     """``view(rows)``: the scratch's slice buffer, shaped for rows ``rows`` of ``like``."""
@@ -169,7 +166,7 @@ def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, a
         scales = _scales_over_rows(w, mask, channel_wise, axis, view)
     mm = _SlicedMM(lhs, w.shape, reduce)
     scales = _each_slice(w, mask, channel_wise, axis, scales, view, mm.add, codes)
-    return mm.result(), scales
+    return mm.out, scales
 
 
 def _masked_into(w: Tensor, bits: Tensor | None, rows: slice, out: Tensor) -> Tensor:
@@ -259,7 +256,7 @@ def _dequantized_product(lhs: Tensor, codes: Tensor, scales: Tensor, channel_wis
         for rows in _row_slices(codes):
             mm.add(rows, _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis),
                                           channel_wise, axis, view(rows)))
-        return mm.result()
+        return mm.out
     weff = _scratch.take("weight", codes.shape, dtype, codes.device)
     for rows in _row_slices(codes):
         _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis, weff[rows])

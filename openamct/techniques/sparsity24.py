@@ -87,21 +87,20 @@ def check_nm_pattern(bits: torch.Tensor, shape: tuple[int, ...], axis: int, grou
     anything else (e.g. all ones) would be exported as if it were sparse. ValueError naming
     ``what``. Counted a slice of rows at a time when groups run along another axis: the whole
     mask unpacked and counted cost 3 bytes per weight (a 60M model's restore peaked on it)."""
+    from openamct.prune.nm import row_slices
+
     numel = math.prod(shape)
     if not numel:
         return
-    step = shape[0] if axis == 0 else max(1, _CHECK_ELEMS // max(1, numel // shape[0]))
     extra = kept = 0
-    for r in range(0, shape[0], step):
-        keep = unpack_rows(bits, shape, slice(r, min(r + step, shape[0])))
+    for rows in [slice(0, shape[0])] if axis == 0 else row_slices(shape):
+        keep = unpack_rows(bits, shape, rows)
         extra += excess_over_2_of_4(keep, axis, groups)
         kept += int(keep.sum())
     if extra:
         raise ValueError(f"{what} is not a 2:4 mask: {extra} group(s) of 4 weights keep more than 2 "
                          f"({kept} of {numel} weights kept)")
 
-
-_CHECK_ELEMS = 1 << 20
 
 
 def excess_over_2_of_4(keep: torch.Tensor, axis: int, groups: int) -> int:

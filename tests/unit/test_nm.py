@@ -354,11 +354,11 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
     """check_nm_pattern reads the packed mask a slice of rows at a time (restore's memory, issue
     19): it refuses what the whole-mask count refuses, with the same counts, wherever the
     excess lies (here: only in the last row)."""
+    from openamct.prune import nm
     from openamct.prune.mask_bits import pack_bits
-    from openamct.techniques import sparsity24
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
 
-    monkeypatch.setattr(sparsity24, "_CHECK_ELEMS", slice_elems)
+    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", slice_elems)
     torch.manual_seed(0)
     good = compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True)
     check_nm_pattern(pack_bits(good), shape, axis, groups, "m")
