@@ -9,8 +9,8 @@ every rank of a DDP job can hold a keeper.
 
 A write that a training forward triggers (the first batch's 2:4 masks) is not done inside the
 step: the record is built from the model there (cheap: the layers hold their masks packed in
-the record's bit order, and the mask file's content is kept per set of mask versions), and serialised and written by one background thread, at the lowest CPU priority, while
-backward and the optimizer run (issue 19). At most one such write is in flight; ``wait()`` joins it, and everything that
+the record's bit order, and the mask file's content is kept per set of mask versions), and serialised and written by one background thread while backward and the optimizer
+run (issue 19). At most one such write is in flight; ``wait()`` joins it, and everything that
 reads or replaces the record joins it first: the next write, an eval-mode write, ``flush``
 (create, save), ``state_dict`` (a checkpoint must not be newer than the record it goes with
 unnoticed) and interpreter exit (the thread is not a daemon).
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from typing import Any
 
@@ -129,7 +128,6 @@ class RecordKeeper:
         self.mark_recorded()  # what was built is what the record will say; a failure sets _retry
 
         def run() -> None:
-            lowest_priority()
             try:
                 self._write_if_changed(target, record, sidecar)
             except OSError as exc:
@@ -187,21 +185,6 @@ class RecordKeeper:
         _write(target, record, self.header, sidecar)
         self._last = (full, record, self.header, _stat(full))
         logger.debug("record written: %s", target)
-
-
-def lowest_priority() -> None:
-    """Give the calling thread the lowest CPU priority (Linux: nice 19 for this thread only).
-
-    The background write's CPU (serialising and hashing megabytes) otherwise takes a core from the
-    training step's intra-op threads: on 2 cores a busy thread beside a matmul made it 2.5x slower,
-    at nice 19 not measurably. The write then runs when a core is idle, or when something joins it
-    (the next write, a checkpoint, exit). Elsewhere (macOS: the call takes a process id) nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError as exc:  # a sandbox may refuse it: the write still runs, at normal priority
-        logger.debug("background record write keeps its priority: %s", exc)
 
 
 def _stat(path: str) -> tuple[int, int] | None:

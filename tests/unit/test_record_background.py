@@ -1,12 +1,9 @@
 """A record write that a training forward triggers runs on a background thread (issue 19)."""
 
 import logging
-import os
 import shutil
-import sys
 import threading
 
-import pytest
 import torch
 
 import openamct as amct
@@ -41,27 +38,6 @@ def test_the_first_steps_record_is_written_off_the_training_thread_and_state_dic
     assert writers == ["MainThread", "openamct-record"]
     assert model._openamct._writer is None
     assert "selective_prune" in (tmp_path / "r.txt").read_text()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_the_background_write_runs_at_the_lowest_priority_and_the_training_thread_keeps_its_own(tmp_path, monkeypatch):
-    """A busy writer beside the step's intra-op threads took a core from them (issue 19)."""
-    seen = []
-    real = keeper_mod.write_record
-
-    def spy(path, record, header=""):
-        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        real(path, record, header)
-
-    monkeypatch.setattr(keeper_mod, "write_record", spy)
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    model, x = create(tmp_path, tmp_path)
-    model.train()
-    model(x)
-    model._openamct.wait()
-    assert seen[0] == ("MainThread", before)  # create's own write: not lowered
-    assert seen[1] == ("openamct-record", 19)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_a_failed_background_write_is_logged_once_and_retried(tmp_path, caplog):
