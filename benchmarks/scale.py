@@ -3,8 +3,10 @@
 create -> 5 training steps (the first computes the masks and initialises the clips; the steady
 step is the median of the other four) -> eval forward -> record write -> save in one process; then
 ORT load of both files, and restore from a checkpoint of the trained model, each in a fresh
-process (as a resumed job would). Each step is timed and its peak RSS sampled (a thread reads
-/proc/self/statm every 2 ms). Peaks are printed as "above what the process held when the step
+process (as a resumed job would). Each step is timed, its peak RSS sampled (a thread reads
+/proc/self/statm every 2 ms) and the memory it faulted in counted (minor faults: on this VM a
+fresh page costs 0.2 s/GB or, past the host's warm pages, 1.4 s/GB, so that column explains
+most of a step's swings). Peaks are printed as "above what the process held when the step
 began", divided by the model's weight bytes, so sizes compare directly, and as the process's
 absolute peak. For reference, a plain FP32 training step and a plain float ``torch.onnx.export``
 (same exporter and opset as save) run in separate processes, and so does the acceptance's
@@ -60,6 +62,7 @@ class Peak:
     """Peak RSS during a ``with`` block, above the RSS at its start."""
 
     def __enter__(self):
+        self.faults = _minor_faults()
         self.start = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -77,6 +80,18 @@ class Peak:
         self._thread.join()
         self.peak = max(self.peak, rss())
         self.above = self.peak - self.start
+        self.faulted = (_minor_faults() - self.faults) * _PAGE
+
+    def row(self) -> tuple[float, int, int, int]:
+        return self.seconds, self.above, self.peak, self.faulted
+
+
+def _minor_faults() -> int:
+    """Pages this process touched for the first time (or again after giving them back): on this
+    VM each costs what a fresh page costs, which swings several-fold with the host."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def build(size: str, seed: int = 0):
@@ -130,31 +145,31 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
            "base_rss": rss()}
     with Peak() as p:
         work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
-    out["create"] = (p.seconds, p.above, p.peak)
+    out["create"] = p.row()
     work.train()
     opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
     for i in range(1, STEPS + 1):
         with Peak() as p:
             _step(work, ids, opt)
-        out[f"train{i}"] = (p.seconds, p.above, p.peak)
+        out[f"train{i}"] = p.row()
     work._openamct.wait()  # the first step's record write, done in the background
     out["quiet"] = _quiet_steps(work, ids, opt)
     out["record_after_train"] = os.path.getsize(rec)
     work.eval()
     with Peak() as p, torch.no_grad():
         work(**ids)
-    out["eval"] = (p.seconds, p.above, p.peak)
+    out["eval"] = p.row()
     out["record_after_eval"] = os.path.getsize(rec)
     keeper = work._openamct
     keeper._last = None  # forget the last write, so flush builds and writes the record again
     with Peak() as p:
         keeper.flush()
-    out["record_write"] = (p.seconds, p.above, p.peak)
+    out["record_write"] = p.row()
     out["mask_file"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if ".masks-" in f)
     prefix = os.path.join(folder, "llama")
     with Peak() as p:
         amct.save_compressed_retrain_model(work, rec, prefix, ids)
-    out["save"] = (p.seconds, p.above, p.peak)
+    out["save"] = p.row()
     files = sorted(f for f in os.listdir(folder) if f.startswith("llama"))
     out["files"] = {f: os.path.getsize(os.path.join(folder, f)) for f in files}
     torch.save(work.state_dict(), os.path.join(folder, "ckpt.pth"))  # for the restore part
@@ -169,7 +184,7 @@ def run_ort_load(size: str, seq: int, folder: str) -> dict:
         for f in sorted(os.listdir(folder)):
             if f.startswith("llama") and f.endswith(".onnx"):
                 ort.InferenceSession(os.path.join(folder, f), providers=["CPUExecutionProvider"])
-    return {"ort_load": (p.seconds, p.above, p.peak)}
+    return {"ort_load": p.row()}
 
 
 def run_restore(size: str, seq: int, folder: str) -> dict:
@@ -182,7 +197,7 @@ def run_restore(size: str, seq: int, folder: str) -> dict:
     with Peak() as p:
         amct.restore_compressed_retrain_model(model, ids, os.path.join(folder, "cfg.cfg"),
                                               os.path.join(folder, "record.txt"), os.path.join(folder, "ckpt.pth"))
-    return {"restore": (p.seconds, p.above, p.peak)}
+    return {"restore": p.row()}
 
 
 def run_chain(size: str, seq: int, folder: str) -> dict:
@@ -199,7 +214,7 @@ def run_chain(size: str, seq: int, folder: str) -> dict:
         with torch.no_grad():
             work(**ids)
         amct.save_compressed_retrain_model(work, rec, os.path.join(folder, "llama"), ids)
-    return {"chain": (p.seconds, p.above, p.peak)}
+    return {"chain": p.row()}
 
 
 def run_steps(size: str, seq: int, folder: str) -> dict:
@@ -213,7 +228,7 @@ def run_steps(size: str, seq: int, folder: str) -> dict:
     for i in range(1, STEPS + 1):
         with Peak() as p:
             _step(model, ids, opt)
-        out[f"fp32_step{i}"] = (p.seconds, p.above, p.peak)
+        out[f"fp32_step{i}"] = p.row()
     out["fp32_quiet"] = _quiet_steps(model, ids, opt)
     return out
 
@@ -272,7 +287,7 @@ def run_export(size: str, seq: int, folder: str) -> dict:
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (), kwargs=ids, f=os.path.join(folder, "plain.onnx"), dynamo=False, opset_version=17,
                           do_constant_folding=True)
-    return {"plain_export": (p.seconds, p.above, p.peak)}
+    return {"plain_export": p.row()}
 
 
 PARTS = {"lifecycle": run_lifecycle, "ort_load": run_ort_load, "restore": run_restore, "chain": run_chain,
@@ -305,13 +320,13 @@ def report(size: str, life: dict, plain: dict) -> None:
     w = life["weights"]
     print(f"\n== {size}: {life['params'] / 1e6:.0f}M params, weights {w / 1e9:.2f} GB, "
           f"process held {life['base_rss'] / 1e9:.2f} GB before create")
-    print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}{'peak GB':>9}")
+    print(f"{'step':<14}{'time s':>9}{'peak+ GB':>10}{'peak+/W':>9}{'peak GB':>9}{'faulted GB':>12}")
     rows = [("create", life), *((f"train{i}", life) for i in range(1, STEPS + 1)), ("eval", life),
             ("record_write", life), ("save", life), ("ort_load", life), ("restore", life), ("chain", plain),
             *((f"fp32_step{i}", plain) for i in range(1, STEPS + 1)), ("plain_export", plain)]
     for key, src in rows:
-        s, b, peak = src[key]
-        print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}{peak / 1e9:>9.2f}")
+        s, b, peak, faulted = src[key]
+        print(f"{key:<14}{s:>9.2f}{b / 1e9:>10.2f}{b / w:>9.2f}{peak / 1e9:>9.2f}{faulted / 1e9:>12.2f}")
     steady = statistics.median(life[f"train{i}"][0] for i in range(2, STEPS + 1))  # sampled, as the first
     fp32 = statistics.median(plain[f"fp32_step{i}"][0] for i in range(2, STEPS + 1))
     quiet, fp32_quiet = statistics.median(life["quiet"]), statistics.median(plain["fp32_quiet"])
