@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,7 @@ class Peak:
     """Peak RSS during a ``with`` block, above the RSS at its start."""
 
     def __enter__(self):
-        self.faults = _minor_faults()
+        self.faults_at_start = _minor_faults()
         self.start = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -80,7 +81,7 @@ class Peak:
         self._thread.join()
         self.peak = max(self.peak, rss())
         self.above = self.peak - self.start
-        self.faulted = (_minor_faults() - self.faults) * _PAGE
+        self.faulted = (_minor_faults() - self.faults_at_start) * _PAGE
 
     def row(self) -> tuple[float, int, int, int]:
         return self.seconds, self.above, self.peak, self.faulted
@@ -89,8 +90,6 @@ class Peak:
 def _minor_faults() -> int:
     """Pages this process touched for the first time (or again after giving them back): on this
     VM each costs what a fresh page costs, which swings several-fold with the host."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
