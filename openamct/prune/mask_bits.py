@@ -19,9 +19,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["packed_size", "pack_bits", "unpack_bits", "unpack_rows", "write_bits"]
+from openamct._workspace import Workspace
+
+__all__ = ["packed_size", "pack_bits", "unpack_bits", "unpack_rows", "unpack_rows_reused", "write_bits"]
 
 _SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # bit of each of a byte's 8 elements
+# Byte value -> its 8 flags as one int64 (their bytes in element order): unpacking is then one
+# gather into a kept buffer (``unpack_rows_reused``).
+_FLAGS_OF_BYTE = torch.from_numpy(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).copy()).view(torch.int64).reshape(256)
+_WS = Workspace()
 
 
 def packed_size(numel: int) -> int:
@@ -61,6 +68,23 @@ def unpack_rows(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: slice) 
     per_row = math.prod(shape[1:])
     n = rows.stop - rows.start
     return unpack_bits(bits, rows.start * per_row, n * per_row).view(n, *shape[1:])
+
+
+def unpack_rows_reused(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: slice) -> Tensor:
+    """``unpack_rows`` into a buffer kept per thread: valid until the next call on that thread.
+
+    Why: ``np.unpackbits`` returns a new array per call. In a 250M-parameter model's first
+    training step its 240 unpacks of ~1 MB took 0.32 s (0.015 s in later steps), fresh memory
+    each time; from this buffer the first step was 0.10-0.36 s faster in five A/B pairs (issue 19)."""
+    if bits.device.type != "cpu" or torch.jit.is_tracing():
+        return unpack_rows(bits, shape, rows)
+    per_row = math.prod(shape[1:])
+    n = rows.stop - rows.start
+    start, count = rows.start * per_row, n * per_row
+    chunk = bits[start // 8:packed_size(start + count)]
+    index = _WS.take("index", chunk.shape, torch.int32, "cpu").copy_(chunk)
+    flags = torch.index_select(_FLAGS_OF_BYTE, 0, index, out=_WS.take("flags", chunk.shape, torch.int64, "cpu"))
+    return flags.view(torch.bool).narrow(0, start % 8, count).view(n, *shape[1:])
 
 
 def write_bits(bits: Tensor, start: int, keep: Tensor) -> Tensor:

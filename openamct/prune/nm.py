@@ -23,7 +23,13 @@ from torch import Tensor, nn
 
 from openamct._workspace import Workspace
 from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
-from openamct.prune.mask_bits import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
+from openamct.prune.mask_bits import (
+    pack_bits,
+    packed_size,
+    unpack_bits,
+    unpack_rows_reused,
+    write_bits,
+)
 from openamct.prune.nm_keep import keep24_into, nm_keep_flags
 from openamct.quant.functions import graph_mode
 
@@ -184,7 +190,7 @@ def apply_bits(w: Tensor, bits: Tensor, out: Tensor | None = None) -> Tensor:
 
 def apply_bits_rows(w: Tensor, bits: Tensor, rows: slice, out: Tensor) -> Tensor:
     """Rows ``rows`` of ``w * mask`` (packed mask of ``w``'s shape) into ``out``, their buffer."""
-    return apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out)
+    return apply_mask(w[rows], unpack_rows_reused(bits, w.shape, rows), out)
 
 
 class _MaskSTE(torch.autograd.Function):

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from openamct.prune.mask_bits import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
+from openamct.prune.mask_bits import (
+    pack_bits,
+    packed_size,
+    unpack_bits,
+    unpack_rows,
+    unpack_rows_reused,
+    write_bits,
+)
 from openamct.prune.mask_codec import pack_mask, unpack_mask, words_of_bits
 
 
@@ -39,6 +46,17 @@ def test_rows_of_a_mask_whose_rows_do_not_fill_whole_bytes():
     bits = pack_bits(keep)
     for rows in (slice(0, 3), slice(3, 7), slice(10, 11), slice(0, 11)):
         assert torch.equal(unpack_rows(bits, keep.shape, rows), keep[rows])
+
+
+@pytest.mark.parametrize("shape", [(11, 13), (64, 24), (5, 3, 7)])
+def test_rows_unpacked_into_the_kept_buffer_match_numpys_unpacking(shape):
+    torch.manual_seed(sum(shape))
+    keep = torch.rand(shape) < 0.5
+    bits = pack_bits(keep)
+    for rows in (slice(0, 1), slice(1, 4), slice(2, shape[0]), slice(0, shape[0])):
+        got = unpack_rows_reused(bits, keep.shape, rows)
+        assert got.dtype == torch.bool and torch.equal(got, keep[rows]), rows
+        assert torch.equal(got, unpack_rows(bits, keep.shape, rows))
 
 
 def test_a_write_packs_into_its_bytes_and_says_whether_a_bit_changed():
