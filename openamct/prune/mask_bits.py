@@ -65,9 +65,14 @@ def unpack_bits(bits: Tensor, start: int, count: int) -> Tensor:
 
 def unpack_rows(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: slice) -> Tensor:
     """Rows ``rows`` (along dim 0) of a packed mask of ``shape``, as bool of their shape."""
+    start, count = _elements_of_rows(shape, rows)
+    return unpack_bits(bits, start, count).view(rows.stop - rows.start, *shape[1:])
+
+
+def _elements_of_rows(shape: tuple[int, ...] | torch.Size, rows: slice) -> tuple[int, int]:
+    """(first flat element, element count) of rows ``rows`` of a C-order tensor of ``shape``."""
     per_row = math.prod(shape[1:])
-    n = rows.stop - rows.start
-    return unpack_bits(bits, rows.start * per_row, n * per_row).view(n, *shape[1:])
+    return rows.start * per_row, (rows.stop - rows.start) * per_row
 
 
 def unpack_rows_reused(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: slice) -> Tensor:
@@ -78,13 +83,11 @@ def unpack_rows_reused(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: 
     each time; from this buffer the first step was 0.10-0.36 s faster in five A/B pairs (issue 19)."""
     if bits.device.type != "cpu" or torch.jit.is_tracing():
         return unpack_rows(bits, shape, rows)
-    per_row = math.prod(shape[1:])
-    n = rows.stop - rows.start
-    start, count = rows.start * per_row, n * per_row
+    start, count = _elements_of_rows(shape, rows)
     chunk = bits[start // 8:packed_size(start + count)]
     index = _WS.take("index", chunk.shape, torch.int32, "cpu").copy_(chunk)
     flags = torch.index_select(_FLAGS_OF_BYTE, 0, index, out=_WS.take("flags", chunk.shape, torch.int64, "cpu"))
-    return flags.view(torch.bool).narrow(0, start % 8, count).view(n, *shape[1:])
+    return flags.view(torch.bool).narrow(0, start % 8, count).view(rows.stop - rows.start, *shape[1:])
 
 
 def write_bits(bits: Tensor, start: int, keep: Tensor) -> Tensor:
