@@ -176,6 +176,7 @@ class RecordKeeper:
         self.mark_recorded()  # after the write: a failed one leaves the record due
 
     def _write_if_changed(self, target: str, record: ScaleOffsetRecord, sidecar: SidecarOut) -> None:
+        sidecar.finish()  # the mask file's hash, here: off the training step when in background
         full = os.path.abspath(target)
         last = self._last
         if last is not None and last[:3] == (full, record, self.header) and _stat(full) == last[3]:

@@ -193,7 +193,7 @@ class Sparsity24(Technique):
             node = record.prune_record.add().selective_prune
             node.name = name
             attrs.add_ints(node, "mask_shape", sp.weight_shape)
-            blob.describe(node, name, sidecar.record_base)
+            sidecar.describe(node, name, blob)
 
     def record_due(self, state: SparsityState, layers) -> bool:
         return any(state.versions.get(n) != sp.version for n, sp in _sparsifiers(layers).items())
