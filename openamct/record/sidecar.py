@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import re
-import threading
 
 import numpy as np
 
@@ -61,15 +60,15 @@ class MaskBlob:
             self.offsets[name] = pos
             pos += len(data)
         self.data = b"".join(data for _, data in parts)
+        # No lock: one thread at a time uses a blob (the keeper joins a write's thread before it
+        # builds the next record), and a lock would make the model impossible to deep-copy.
         self._sha256: str | None = None
-        self._lock = threading.Lock()  # a cached blob may be finished by the next write's thread
 
     @property
     def sha256(self) -> str:
-        with self._lock:
-            if self._sha256 is None:
-                self._sha256 = hashlib.sha256(self.data).hexdigest()
-            return self._sha256
+        if self._sha256 is None:
+            self._sha256 = hashlib.sha256(self.data).hexdigest()
+        return self._sha256
 
 
 class SidecarOut:

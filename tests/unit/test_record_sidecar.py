@@ -3,6 +3,7 @@
 The threshold is lowered so a small model takes the large-model path; the demo-sized default
 keeps masks inline (the golden test holds that)."""
 
+import copy
 import hashlib
 import os
 import threading
@@ -151,3 +152,17 @@ def test_the_mask_files_hash_is_left_to_the_writing_thread(tmp_path, sidecar_alw
     entries = [pr.selective_prune for pr in read_record(rec).prune_record
                if pr.HasField("selective_prune") and attrs.find(pr.selective_prune, FILE) is not None]
     assert entries and all(attrs.get_str(e, FILE_SHA) == digest and attrs.get_str(e, FILE) == side for e in entries)
+
+
+def test_a_model_whose_masks_went_to_a_file_can_be_deep_copied_and_saved(tmp_path, sidecar_always):
+    """The mask file's content stays cached in the model for the next write: it must copy
+    as the rest of the model does (save takes working copies; users copy models too)."""
+    model, x, rec = trained(tmp_path)
+    model._openamct.wait()
+    twin = copy.deepcopy(model)
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        assert torch.equal(twin(x), model(x))
+    amct.save_compressed_retrain_model(model, rec, str(tmp_path / "m"), x[:1])
+    assert (tmp_path / "m_deploy_model.onnx").is_file()
