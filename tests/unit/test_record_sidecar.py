@@ -135,7 +135,7 @@ def test_a_mask_file_needs_the_records_path(tmp_path, sidecar_always):
 def test_the_mask_files_hash_is_left_to_the_writing_thread(tmp_path, sidecar_always, monkeypatch):
     """Training steps build the record; its mask file is hashed (up to 0.5 s at 1.1B
     parameters) on the thread that writes it, and the file and record still agree."""
-    model, x, rec = trained(tmp_path, update_freq=1, steps=0)  # create hashes on its own thread
+    model, x, rec = trained(tmp_path, update_freq=1, steps=0)  # create writes (and hashes) on the caller's thread: not a step
     threads = []
     real = hashlib.sha256
 
