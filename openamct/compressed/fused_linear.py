@@ -28,17 +28,20 @@ from torch.autograd import Function
 
 from openamct._workspace import Workspace
 from openamct.compressed.code_pool import CodePool
+from openamct.compressed.grad_pool import GradPool
 from openamct.prune.nm import apply_bits_rows
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
 _scratch = Workspace()  # one effective weight per thread, as large as the largest layer
 _codes = CodePool()  # E's grid values from a forward to its backward, reused across steps
+_grads = GradPool()  # weight gradients, written where the last step's freed .grad was
 
 
 def release_scratch() -> None:
     """Give the scratch memory back (eval and save call it; the next training step re-maps it)."""
     _scratch.release()
     _codes.release()
+    _grads.release()
 
 
 _CHUNK_ELEMS = 1 << 20  # 4 MB of float32 per slice: it stays in cache across the passes on it
@@ -226,7 +229,9 @@ class _MaskedQuantLinear(Function):
             else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
                 gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
-            gw = x.t().mm(g) if transposed else g.t().mm(x)
+            lhs, rhs = (x.t(), g) if transposed else (g.t(), x)
+            out = _grads.out_for(w, g)
+            gw = lhs.mm(rhs) if out is None else _grads.handed(torch.mm(lhs, rhs, out=out))
         if need_b and has_bias:
             gb = g.sum(0)
         return gx, gw, gb, None, None, None

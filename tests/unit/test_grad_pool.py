@@ -1,0 +1,103 @@
+"""A compressed Linear's backward writes the weight gradient where the last step's freed
+``.grad`` was (``compressed/grad_pool.py``), and only where no one else still uses that memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from openamct.compressed import fused_linear
+from openamct.compressed.fused_linear import masked_quant_linear
+from tests.unit.test_fused_linear import _case
+
+
+@pytest.fixture(autouse=True)
+def _empty_pool():
+    fused_linear.release_scratch()
+    yield
+    fused_linear.release_scratch()
+
+
+def _weight(transposed=False):
+    x, w, _, mask, dy = _case((2, 9, 64), transposed, False, True)
+    return x.detach(), nn.Parameter(w.detach().clone()), mask, dy
+
+
+def _backward(x, w, mask, dy, transposed=False):
+    y, _ = masked_quant_linear(x, w, None, mask, True, transposed)
+    y.backward(dy)
+
+
+def _expected(x, dy, transposed=False):
+    x2, g2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    return x2.t().mm(g2) if transposed else g2.t().mm(x2)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_step_after_set_to_none_writes_the_gradient_into_the_last_steps_memory(transposed):
+    x, w, mask, dy = _weight(transposed)
+    _backward(x, w, mask, dy, transposed)
+    first = w.grad.data_ptr()
+    assert torch.equal(w.grad, _expected(x, dy, transposed))  # the same product, bit for bit
+    w.grad = None  # zero_grad(set_to_none=True)
+    blocker = torch.empty_like(w)  # would take the freed block if the pool had not kept it
+    _backward(x, w, mask, 2 * dy, transposed)
+    assert w.grad.data_ptr() == first != blocker.data_ptr()
+    assert torch.equal(w.grad, _expected(x, 2 * dy, transposed))
+
+
+def test_a_gradient_the_caller_kept_is_never_overwritten():
+    x, w, mask, dy = _weight()
+    _backward(x, w, mask, dy)
+    kept = w.grad
+    before = kept.clone()
+    w.grad = None
+    _backward(x, w, mask, 3 * dy)
+    assert w.grad.data_ptr() != kept.data_ptr()
+    assert torch.equal(kept, before)
+    view = w.grad[1:]  # a view holds the memory as well
+    before = view.clone()
+    w.grad = None
+    _backward(x, w, mask, dy)
+    assert torch.equal(view, before)
+
+
+def test_accumulation_into_an_existing_grad_adds_and_holds_no_second_buffer():
+    x, w, mask, dy = _weight()
+    _backward(x, w, mask, dy)
+    _backward(x, w, mask, dy)  # gradient accumulation: autograd adds a temporary into .grad
+    assert torch.equal(w.grad, 2 * _expected(x, dy))
+    assert len(fused_linear._grads) == 1  # only the buffer that is .grad itself
+    assert fused_linear._grads._held[w].data_ptr() == w.grad.data_ptr()
+    w.grad.zero_()  # zero_grad(set_to_none=False): .grad stays, each step's temporary is added
+    _backward(x, w, mask, dy)
+    assert torch.equal(w.grad, _expected(x, dy))
+
+
+def test_a_pooled_buffer_that_is_not_the_grad_is_dropped():
+    x, w, mask, dy = _weight()
+    _backward(x, w, mask, dy)
+    w.grad = torch.zeros_like(w)  # a .grad of the caller's own (DDP's bucket views do this)
+    _backward(x, w, mask, dy)
+    assert len(fused_linear._grads) == 0
+    assert torch.equal(w.grad, _expected(x, dy))
+
+
+def test_autograd_grad_hands_out_the_buffer_only_while_no_one_holds_it():
+    x, w, mask, dy = _weight()
+    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    (g1,) = torch.autograd.grad(y, [w], dy)
+    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    (g2,) = torch.autograd.grad(y, [w], 2 * dy)
+    assert g1.data_ptr() != g2.data_ptr()
+    assert torch.equal(g1, _expected(x, dy)) and torch.equal(g2, _expected(x, 2 * dy))
+
+
+def test_eval_gives_the_buffers_back():
+    x, w, mask, dy = _weight()
+    _backward(x, w, mask, dy)
+    assert len(fused_linear._grads) == 1
+    fused_linear.release_scratch()
+    assert len(fused_linear._grads) == 0
+    assert torch.equal(w.grad, _expected(x, dy))  # .grad keeps its memory
