@@ -30,7 +30,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["GradPool"]
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; absent from some builds
+
+
+def _alone_count() -> int | None:
+    """What ``_use_count`` reports for a storage that one tensor alone uses, asked as ``_free``
+    asks (the storage object made to ask may or may not count): measured, not assumed."""
+    if _use_count is None:
+        return None
+    t = torch.empty(1)
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_ALONE = _alone_count()
 
 
 class GradPool:
@@ -43,7 +55,7 @@ class GradPool:
     def out_for(self, w: Tensor, like: Tensor) -> Tensor | None:
         """A buffer to write ``w``'s gradient into (``like``: a tensor of the gradient's dtype
         and device), or None for a fresh one. Call it inside backward, once per gradient."""
-        if _use_count is None or torch.is_grad_enabled() or not w.is_leaf or like.dtype != w.dtype \
+        if _ALONE is None or torch.is_grad_enabled() or not w.is_leaf or like.dtype != w.dtype \
                 or like.device != w.device or not w.is_contiguous():
             return None
         with self._lock:
@@ -77,6 +89,5 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 
 
 def _free(buf: Tensor) -> bool:
-    # Users of the storage: ``buf`` itself and the storage object made to ask; any other user
-    # (.grad, a view, a kept reference) adds one.
-    return _use_count(buf.untyped_storage()._cdata) <= 2
+    # Any user of the storage besides ``buf`` (.grad, a view, a kept reference) adds one.
+    return _use_count(buf.untyped_storage()._cdata) <= _ALONE
