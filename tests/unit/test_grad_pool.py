@@ -101,3 +101,45 @@ def test_eval_gives_the_buffers_back():
     fused_linear.release_scratch()
     assert len(fused_linear._grads) == 0
     assert torch.equal(w.grad, _expected(x, dy))  # .grad keeps its memory
+
+
+_CFG = ("retrain_data_quant_config { ulq_quantize { dst_type: INT8 } }\n"
+        "retrain_weight_quant_config { arq_retrain { dst_type: INT8 channel_wise: true } }\n"
+        "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 0 } } }\n")
+
+
+def test_training_with_the_pool_lands_on_the_same_weights_bit_for_bit(tmp_path, monkeypatch):
+    import copy
+
+    import openamct as amct
+    from openamct.compressed import grad_pool
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    cfg = tmp_path / "c.cfg"
+    cfg.write_text(_CFG)
+    x = torch.randn(8, 64)
+    work = amct.create_compressed_retrain_model(model, x, str(cfg), str(tmp_path / "r.txt"))
+    twin = copy.deepcopy(work)
+    batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def train(m):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        m.train()
+        ptrs = []
+        for b in batches:
+            m(b).square().mean().backward()
+            ptrs.append(m[2].weight.grad.data_ptr())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return ptrs
+
+    pooled = train(work)
+    # Each step wrote into the same memory. (The first layer's input needs no gradient: its
+    # clips' gradients take another path, clip_grad.py, with a gradient of its own.)
+    assert len(set(pooled)) == 1 and fused_linear._grads._held.get(work[2].weight) is not None
+    monkeypatch.setattr(grad_pool, "_ALONE", None)  # no pool: a fresh gradient every backward
+    train(twin)
+    assert fused_linear._grads._held.get(twin[2].weight) is None
+    for (name, a), b in zip(work.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
