@@ -15,8 +15,8 @@ a plain step would not hold:
   views) the gradient is only a temporary that autograd adds in; it is allocated as before, and
   a pooled buffer that is not that ``.grad`` is dropped;
 - only when the buffer's storage has no other user (``.grad``, a view, a copy the caller kept,
-  an optimizer's or hook's reference): counted by torch on the storage itself. Where that count
-  is not available (older torch) nothing is pooled;
+  an optimizer's or hook's reference): counted by torch on the storage itself. Where torch
+  does not expose that count nothing is pooled;
 - never under ``create_graph`` (autograd then copies what backward returns).
 """
 
@@ -64,7 +64,7 @@ class GradPool:
                 if buf is not None and not _same_storage(buf, w.grad):
                     del self._held[w]
                 return None
-            if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or not _free(buf):
+            if buf is None or (buf.shape, buf.dtype, buf.device) != (w.shape, w.dtype, w.device) or not _free(buf):
                 buf = torch.empty_like(w, memory_format=torch.contiguous_format)
                 self._held[w] = buf
             return buf

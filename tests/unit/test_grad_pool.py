@@ -94,6 +94,16 @@ def test_autograd_grad_hands_out_the_buffer_only_while_no_one_holds_it():
     assert torch.equal(g1, _expected(x, dy)) and torch.equal(g2, _expected(x, 2 * dy))
 
 
+def test_a_weight_moved_to_another_dtype_gets_a_buffer_of_its_own():
+    x, w, mask, dy = _weight()
+    _backward(x, w, mask, dy)
+    w.grad = None
+    w.data = w.data.double()  # as model.double() does: the same Parameter, new data
+    _backward(x.double(), w, mask, dy.double())
+    assert w.grad.dtype == torch.float64
+    assert torch.equal(w.grad, _expected(x.double(), dy.double()))
+
+
 def test_eval_gives_the_buffers_back():
     x, w, mask, dy = _weight()
     _backward(x, w, mask, dy)
