@@ -4,7 +4,7 @@
 Why: with ``optimizer.zero_grad(set_to_none=True)`` (PyTorch's default) every step frees its
 weight gradients, as many bytes as the weights, and glibc gives such blocks back to the kernel.
 The next backward faults them in again. On the VMs measured here (Firecracker guests with free
-page reporting: freed pages go back to the host) that cost 0.2-1.7 s/GB, half of a 250M
+page reporting: freed pages go back to the host) that cost 0.2-1.7 s/GB, up to half of a 250M
 model's step. The gradient a backward returns here is written into the buffer the last step's
 ``.grad`` used, once nothing but this pool still holds that buffer.
 
