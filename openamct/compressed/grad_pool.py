@@ -78,7 +78,7 @@ class GradPool:
     def release(self) -> None:
         """Forget every buffer (a ``.grad`` that uses one keeps it)."""
         with self._lock:
-            self._held = WeakIdKeyDictionary()
+            self._held.clear()
 
     def __len__(self) -> int:
         return len(self._held)
