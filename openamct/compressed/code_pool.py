@@ -1,5 +1,8 @@
 """int8 buffers that hold a compressed Linear's effective weight as grid values from a training
-forward to its backward, reused from step to step (issue 19).
+forward to its backward, reused from step to step (issue 19). Where the weight's gradient buffer
+is free, the grid values go there instead (``grad_pool.GradPool.codes_for``); these buffers are
+for the rest: a frozen weight, a ``.grad`` kept across forwards (accumulation), a second call
+before the backward.
 
 Why reuse: a fresh buffer per forward is a quarter of the weights' bytes allocated every step;
 glibc gives large blocks back to the kernel when they are freed, so each step page-faults them

@@ -202,11 +202,16 @@ class _MaskedQuantLinear(Function):
         # The input gradient needs E again. Rebuilt from w it costs the forward's mask, scales
         # and quantize passes once more (11 ops a slice: on a 512x512 Linear with 64 rows, 0.65
         # ms beside a 0.48 ms matmul); from E's int8 grid values kept here, one cast and one
-        # multiply. They cost a quarter of the weight's bytes until the backward, as an
-        # activation does.
+        # multiply. They take a quarter of the weight's bytes until the backward: in the weight
+        # gradient's buffer when that is free (grad_pool.py), which the backward fills after it
+        # has read them, so they cost no memory of their own.
         codes = None
+        ctx.codes_in_grad = False
         if channel_wise is not None and ctx.needs_input_grad[0]:
-            codes = _codes.lend(w.shape, w.device, ctx)
+            codes = _grads.codes_for(w) if ctx.needs_input_grad[1] else None
+            ctx.codes_in_grad = codes is not None
+            if codes is None:
+                codes = _codes.lend(w.shape, w.device, ctx)
         with torch.no_grad():
             y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b, codes=codes)
         ctx.save_for_backward(x, w, mask, scales, codes)
@@ -218,6 +223,8 @@ class _MaskedQuantLinear(Function):
     @staticmethod
     def backward(ctx, g: Tensor, _gs):
         x, w, mask, scales, codes = ctx.saved_tensors
+        if ctx.codes_in_grad and getattr(ctx, "codes_read", False):
+            codes = None  # a second backward (retain_graph): the first wrote the gradient over them
         ctx.codes_read = True  # the pool may lend ``codes`` again once autograd frees them
         channel_wise, transposed, has_bias = ctx.meta
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -230,7 +237,7 @@ class _MaskedQuantLinear(Function):
                 gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
             lhs, rhs = (x.t(), g) if transposed else (g.t(), x)
-            out = _grads.out_for(w, g)
+            out = _grads.out_for(w, g, codes if ctx.codes_in_grad else None)  # gx has read them
             gw = lhs.mm(rhs) if out is None else _grads.handed(torch.mm(lhs, rhs, out=out))
         if need_b and has_bias:
             gb = g.sum(0)

@@ -79,7 +79,9 @@ def test_a_pooled_buffer_that_is_not_the_grad_is_dropped():
     x, w, mask, dy = _weight()
     _backward(x, w, mask, dy)
     w.grad = torch.zeros_like(w)  # a .grad of the caller's own (DDP's bucket views do this)
-    _backward(x, w, mask, dy)
+    y, _ = masked_quant_linear(x.requires_grad_(True), w, None, mask, True, False)
+    assert len(fused_linear._codes) == 1  # not in a buffer that will not become .grad
+    y.backward(dy)
     assert len(fused_linear._grads) == 0
     assert torch.equal(w.grad, _expected(x, dy))
 
@@ -111,6 +113,63 @@ def test_eval_gives_the_buffers_back():
     fused_linear.release_scratch()
     assert len(fused_linear._grads) == 0
     assert torch.equal(w.grad, _expected(x, dy))  # .grad keeps its memory
+
+
+def _codes_of_next_forward(w):
+    """Where the next forward's grid values go (``codes_for``, as the forward asks)."""
+    c = fused_linear._grads.codes_for(w)
+    return None if c is None else c.data_ptr()
+
+
+def test_the_forwards_grid_values_live_in_the_gradient_buffer_they_are_overwritten_by():
+    x, w, mask, dy = _weight()
+    x = x.requires_grad_(True)  # the backward needs E: the forward keeps its grid values
+    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    assert len(fused_linear._codes) == 0 and len(fused_linear._grads) == 1
+    codes_at = fused_linear._grads._held[w].data_ptr()
+    y.backward(dy)
+    assert w.grad.data_ptr() == codes_at  # no separate quarter-weight buffer was mapped
+    assert torch.equal(w.grad, _expected(x.detach(), dy))
+    assert _codes_of_next_forward(w) is None  # .grad holds the buffer: the next codes go elsewhere
+    w.grad = None
+    assert _codes_of_next_forward(w) == codes_at
+
+
+def test_while_a_forwards_grid_values_are_there_no_one_else_gets_the_buffer():
+    x, w, mask, dy = _weight()
+    y, _ = masked_quant_linear(x.requires_grad_(True), w, None, mask, True, False)
+    held = fused_linear._grads._held[w]
+    assert _codes_of_next_forward(w) is None  # a second forward before the backward
+    with torch.no_grad():  # as a backward asks, without the forward's codes
+        assert fused_linear._grads.out_for(w, dy) is not held
+    del y
+    fused_linear._grads._held[w] = held
+    assert _codes_of_next_forward(w) is not None  # the graph is gone: free again
+
+
+def test_a_retained_graphs_second_backward_rebuilds_E_instead_of_reading_overwritten_codes():
+    x, w, mask, dy = _weight()
+    x = x.requires_grad_(True)
+    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    loss = (y * dy).sum()
+    loss.backward(retain_graph=True)
+    gx1, gw1 = x.grad.clone(), w.grad.clone()
+    x.grad = None
+    loss.backward()  # the first backward wrote gw over the grid values
+    assert torch.equal(x.grad, gx1)  # E rebuilt from the weight: the same bits
+    assert torch.equal(w.grad, 2 * gw1)
+
+
+def test_with_a_grad_kept_the_grid_values_get_a_buffer_of_their_own():
+    x, w, mask, dy = _weight()
+    x = x.requires_grad_(True)
+    _backward(x, w, mask, dy)
+    gx1 = x.grad.clone()
+    x.grad = None
+    y, _ = masked_quant_linear(x, w, None, mask, True, False)  # accumulation: .grad is kept
+    assert len(fused_linear._codes) == 1
+    y.backward(dy)
+    assert torch.equal(x.grad, gx1) and torch.equal(w.grad, 2 * _expected(x.detach(), dy))
 
 
 _CFG = ("retrain_data_quant_config { ulq_quantize { dst_type: INT8 } }\n"

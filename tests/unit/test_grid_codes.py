@@ -1,6 +1,8 @@
 """A compressed Linear's backward multiplies by the effective weight E again: from the int8 grid
-values its forward kept (``compressed/fused_linear.py``), in buffers ``CodePool`` lends to one
-autograd context at a time (``compressed/code_pool.py``)."""
+values its forward kept (``compressed/fused_linear.py``): in the weight's gradient buffer where
+that is free (``test_grad_pool.py``), else in buffers ``CodePool`` lends to one autograd context
+at a time (``compressed/code_pool.py``). A frozen weight has no gradient buffer: these tests
+use one to reach the lent buffers."""
 
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def test_a_layer_called_twice_before_its_backward_keeps_both_grid_values():
     x2 = (x.detach() * 3).requires_grad_(True)
     w2 = w.detach().clone().requires_grad_(True)
     y1, y2 = _shared_layer_twice(w, mask, x, x2)
-    assert len(fused_linear._codes) == 2
+    assert len(fused_linear._codes) == 1  # the first call's are in w's gradient buffer
+    assert len(fused_linear._grads) == 1
     y1_ref, y2_ref = _shared_layer_twice(w2, mask, x.detach().requires_grad_(True), x2.detach().requires_grad_(True))
     got = torch.autograd.grad((y1 * y2).sum(), [x, x2, w])
     x_r, x2_r = x.detach().requires_grad_(True), x2.detach().requires_grad_(True)
@@ -92,6 +95,7 @@ def test_a_layer_called_twice_before_its_backward_keeps_both_grid_values():
 def test_buffers_are_lent_again_after_a_backward_and_kept_for_a_retained_graph():
     fused_linear.release_scratch()
     x, w, _, mask, dy = _case((5, 64), False, False, True)
+    w = w.detach()  # frozen: its grid values are lent
     for _ in range(3):  # training steps: one buffer, lent again each step
         _gx(x, w, mask, True, False, dy)
     assert len(fused_linear._codes) == 1
@@ -100,7 +104,7 @@ def test_buffers_are_lent_again_after_a_backward_and_kept_for_a_retained_graph()
     loss.backward(retain_graph=True)
     first = x.grad.clone()
     x.grad = None
-    w_other = (w.detach() * -2).requires_grad_(True)  # same shape: it must not reuse y's buffer
+    w_other = w * -2  # same shape: it must not reuse y's buffer
     _gx(x, w_other, mask, True, False, dy)
     assert len(fused_linear._codes) == 2
     loss.backward()  # the retained graph's second backward reads its own grid values
@@ -114,10 +118,11 @@ def test_buffers_are_lent_again_after_a_backward_and_kept_for_a_retained_graph()
 def test_eval_gives_the_buffers_back():
     fused_linear.release_scratch()
     x, w, _, mask, dy = _case((5, 64), False, False, True)
+    _gx(x, w.detach(), mask, True, False, dy)
     _gx(x, w, mask, True, False, dy)
-    assert len(fused_linear._codes) == 1
+    assert len(fused_linear._codes) == 1 and len(fused_linear._grads) == 1
     fused_linear.release_scratch()
-    assert len(fused_linear._codes) == 0
+    assert len(fused_linear._codes) == 0 and len(fused_linear._grads) == 0
 
 
 def test_no_grid_values_are_kept_when_the_input_needs_no_gradient():
