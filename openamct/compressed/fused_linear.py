@@ -208,7 +208,7 @@ class _MaskedQuantLinear(Function):
         codes = None
         ctx.codes_in_grad = False
         if channel_wise is not None and ctx.needs_input_grad[0]:
-            codes = _grads.codes_for(w) if ctx.needs_input_grad[1] else None
+            codes = _grads.codes_for(w)  # None unless w requires grad and its buffer is free
             ctx.codes_in_grad = codes is not None
             if codes is None:
                 codes = _codes.lend(w.shape, w.device, ctx)

@@ -75,8 +75,7 @@ class GradPool:
                 return None
             spent = int(codes is not None and buf is not None and _same_storage(buf, codes))
             if not _fits(buf, w) or not _free(buf, spent):
-                buf = torch.empty_like(w, memory_format=torch.contiguous_format)
-                self._held[w] = buf
+                buf = self._new(w)
             return buf
 
     def codes_for(self, w: Tensor) -> Tensor | None:
@@ -84,18 +83,23 @@ class GradPool:
         training forward's grid values, or None (give them a buffer of their own). Only for a
         weight whose backward will want that buffer: a leaf that requires grad and has no
         ``.grad``, whose buffer nothing else uses."""
-        if _ALONE is None or not (w.is_leaf and w.requires_grad and w.is_contiguous()) or w.element_size() < 1:
+        if _ALONE is None or not (w.is_leaf and w.requires_grad and w.is_contiguous()):
             return None
         with self._lock:
             if w.grad is not None:
                 return None
             buf = self._held.get(w)
             if not _fits(buf, w):
-                buf = torch.empty_like(w, memory_format=torch.contiguous_format)
-                self._held[w] = buf
+                buf = self._new(w)
             elif not _free(buf):
                 return None
             return torch.empty(0, dtype=torch.int8, device=w.device).set_(buf.untyped_storage(), 0, w.shape)
+
+    def _new(self, w: Tensor) -> Tensor:
+        """A buffer for ``w``, held from now on in place of its last (call under the lock)."""
+        buf = torch.empty_like(w, memory_format=torch.contiguous_format)
+        self._held[w] = buf
+        return buf
 
     @staticmethod
     def handed(buf: Tensor) -> Tensor:
