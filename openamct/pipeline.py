@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from openamct.checkpoint import load_into
+from openamct.compressed.embedding_grad import pool_embedding_grads
 from openamct.compressed.layer import CompressedLayer
 from openamct.config.source import load_plan
 from openamct.config.specs import Plan
@@ -102,6 +103,9 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
+    pooled = pool_embedding_grads(work)
+    if pooled:
+        logger.debug("embedding tables that reuse their gradient's memory: %s", ", ".join(pooled))
     return work
 
 

@@ -28,13 +28,13 @@ from torch.autograd import Function
 
 from openamct._workspace import Workspace
 from openamct.compressed.code_pool import CodePool
-from openamct.compressed.grad_pool import GradPool
+from openamct.compressed.grad_pool import GRADIENTS
 from openamct.prune.nm import apply_bits_rows
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
 _scratch = Workspace()  # one effective weight per thread, as large as the largest layer
 _codes = CodePool()  # E's grid values from a forward to its backward, reused across steps
-_grads = GradPool()  # weight gradients, written where the last step's freed .grad was
+_grads = GRADIENTS  # weight gradients, written where the last step's freed .grad was
 
 
 def release_scratch() -> None:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GradPool"]
+__all__ = ["GradPool", "GRADIENTS"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; absent from some builds
 
@@ -114,6 +114,9 @@ class GradPool:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+GRADIENTS = GradPool()  # every pooled weight gradient (compressed Linears, embedding tables)
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:

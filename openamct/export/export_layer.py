@@ -20,6 +20,7 @@ from torch.autograd import Function
 from torch.nn import functional as F
 
 from openamct._checks import unwrap
+from openamct.compressed.embedding_grad import PooledGradEmbedding
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
 from openamct.export.deferred import (
@@ -215,13 +216,14 @@ class ExportEmbedding(nn.Module):
 
 
 TABLE_MIN_BYTES = 1 << 20
+_TABLES = (nn.Embedding, PooledGradEmbedding)  # the second is the first with a training backward of its own
 
 
 def defer_tables(model: nn.Module) -> int:
     """Replace the plain float32 ``nn.Embedding`` tables of ``model`` (a working copy), 1 MB
     and up, by ``ExportEmbedding``; returns how many. Subclasses (a scaled embedding's own
     forward) and ``max_norm`` (renormalises the table in place) are left as they are."""
-    found = [(n, m) for n, m in model.named_modules() if type(m) is nn.Embedding and m.max_norm is None
+    found = [(n, m) for n, m in model.named_modules() if type(m) in _TABLES and m.max_norm is None
              and m.weight.dtype == torch.float32 and m.weight.numel() * 4 >= TABLE_MIN_BYTES and n]
     for name, m in found:
         set_module(model, name, as_layer_class(ExportEmbedding, nn.Embedding)(m, name))

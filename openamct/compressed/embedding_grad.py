@@ -1,0 +1,91 @@
+"""Embedding tables whose weight gradient reuses the memory of the last step's freed ``.grad``
+(issue 19), as a compressed Linear's does (grad_pool.py).
+
+Why: a table's gradient is as large as the table (32000 x 512 float32, 65 MB, in a 60M Llama;
+262 MB at 1.1B), and torch's embedding backward allocates and zero-fills a new one every step.
+With ``zero_grad(set_to_none=True)`` glibc hands the freed block back to the kernel, so that fill
+faults in new pages each time: on the VMs measured here it was most of what a step of a 60M
+Llama still faulted once its Linears pooled their gradients.
+
+The values are torch's bit for bit: zeros, then each looked-up row's gradient added in the order
+of the ids (``index_add_``), the order in which ``embedding_dense_backward`` adds them; the
+``padding_idx`` row stays zero. Only a plain table is swapped (``type(m) is nn.Embedding``: a
+subclass has a forward of its own) whose weight no other module shares (a tied head adds its
+own gradient to it, which autograd then sums into a new tensor anyway), without ``max_norm``
+(which renormalises the table in place), ``sparse`` or ``scale_grad_by_freq``. Those are checked
+again at each call (a caller may set them later), and the path is taken only on CPU, for a float
+table, while a gradient is wanted and no graph is captured; otherwise it is
+``nn.Embedding.forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+
+from openamct.compressed.grad_pool import GRADIENTS
+from openamct.quant.functions import graph_mode
+
+__all__ = ["PooledGradEmbedding", "pool_embedding_grads"]
+
+
+class PooledGradEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose training backward writes the weight gradient into a pooled buffer.
+    The state dict, the attributes and ``isinstance(m, nn.Embedding)`` are those of the table."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        w = self.weight
+        if (torch.is_grad_enabled() and w.requires_grad and w.device.type == "cpu" and w.is_floating_point()
+                and self.max_norm is None and not self.sparse and not self.scale_grad_by_freq
+                and input.dtype in (torch.int64, torch.int32) and not graph_mode()):
+            return _EmbeddingGrad.apply(input, w, self.padding_idx)
+        return super().forward(input)
+
+    def train(self, mode: bool = True) -> PooledGradEmbedding:
+        if not mode:  # as a compressed layer does: eval and export hold no gradient buffers
+            GRADIENTS.release()
+        return super().train(mode)
+
+
+class _EmbeddingGrad(Function):
+    @staticmethod
+    def forward(ctx, ids: Tensor, w: Tensor, padding_idx: int | None) -> Tensor:
+        ctx.save_for_backward(ids, w)
+        ctx.padding_idx = padding_idx
+        return F.embedding(ids, w, padding_idx)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        ids, w = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        out = GRADIENTS.out_for(w, g)
+        gw = torch.zeros_like(w) if out is None else out.zero_()
+        gw.index_add_(0, ids.reshape(-1), g.reshape(-1, w.shape[1]))
+        if ctx.padding_idx is not None:
+            gw[ctx.padding_idx].zero_()
+        return None, (gw if out is None else GRADIENTS.handed(gw)), None
+
+
+def pool_embedding_grads(model: nn.Module) -> list[str]:
+    """Make the plain, unshared embedding tables of ``model`` (a working copy) pool their weight
+    gradient; returns their names."""
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                users[id(p)] = users.get(id(p), 0) + 1
+    # modules() yields a module once even where it is registered twice: a table reached under
+    # two names is one user, but its weight is then used by two forwards, so look it up by name.
+    names: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    done = []
+    for m in model.modules():
+        if type(m) is nn.Embedding and users.get(id(m.weight)) == 1 and len(names[id(m)]) == 1 \
+                and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq:
+            m.__class__ = PooledGradEmbedding
+            done.append(names[id(m)][0])
+    return done
