@@ -360,6 +360,21 @@ class NMSparsifier(nn.Module):
             changed |= write_bits(self.mask_bits, rows.start * per_row, keep)
         self._mark_installed(changed)
 
+    def holds_all_kept(self) -> bool:
+        """Whether ``mask_bits`` is the all-kept mask a sparsifier starts with (one read, no copy)."""
+        bits = self.mask_bits
+        if bits.numel() == 0:
+            return True
+        return int(bits[-1]) == _last_kept_byte(self.weight_shape.numel()) and \
+            (bits.numel() == 1 or int(bits[:-1].min()) == 0xFF)
+
+    def reset_all_kept(self) -> None:
+        """Write the all-kept mask into ``mask_bits`` in place (what ``holds_all_kept`` saw)."""
+        if self.mask_bits.numel():
+            with torch.no_grad():
+                self.mask_bits.fill_(0xFF)
+                self.mask_bits[-1] = _last_kept_byte(self.weight_shape.numel())
+
     def _mark_installed(self, changed: Tensor | None) -> None:
         self._changes.add_(changed if self._ready and changed is not None else 1)
         self.mask_ready.fill_(True)
@@ -416,5 +431,9 @@ def _all_kept(numel: int, device) -> Tensor:
     """Packed all-ones mask of ``numel`` weights; the last byte's unused bits stay zero."""
     bits = torch.full((packed_size(numel),), 0xFF, dtype=torch.uint8, device=device)
     if numel % 8:
-        bits[-1] = (0xFF << (8 - numel % 8)) & 0xFF
+        bits[-1] = _last_kept_byte(numel)
     return bits
+
+
+def _last_kept_byte(numel: int) -> int:
+    return (0xFF << (8 - numel % 8)) & 0xFF if numel % 8 else 0xFF
