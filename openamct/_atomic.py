@@ -101,7 +101,9 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
         raise
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
+def atomic_write_bytes(path: str, data: bytes | list) -> None:
+    """``data``: bytes, or a list of bytes-like pieces written one after another."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
+        for piece in data if isinstance(data, list) else (data,):
+            f.write(piece)
         f.flush()

@@ -69,6 +69,8 @@ class ForwardSnapshot:
                 state = _take(m, training)
                 if state is not None:
                     self.items.append((m, state))
+        # Whether this forward may write a mask (and restore would write one back).
+        self.masks_due = any(isinstance(m, NMSparsifier) and state[5] is not None for m, state in self.items)
 
     def restore(self) -> None:
         for m, state in self.items:

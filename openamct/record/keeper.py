@@ -69,11 +69,15 @@ class RecordKeeper:
         model.register_forward_pre_hook(self.before_forward)
         model.register_forward_hook(self.after_forward)
         model.register_state_dict_pre_hook(lambda *_: (self.undo_failed_forward(), self.wait()))
+        # A mask file in writing reads the live masks (sidecar.MaskBlob): a load must wait for it.
+        model._register_load_state_dict_pre_hook(lambda *_: self.wait())
 
     def undo_failed_forward(self) -> None:
         """Put back the state a forward that raised had changed (see compressed/rollback.py)."""
         snap, self._snapshot = getattr(self, "_snapshot", None), None
         if snap is not None:
+            if snap.masks_due:
+                self.wait()  # the masks put back may be ones a mask file in writing reads
             snap.restore()
             logger.debug("state of a forward that raised put back")
 
@@ -82,6 +86,8 @@ class RecordKeeper:
 
         self.undo_failed_forward()
         self._snapshot = ForwardSnapshot(self.layers, model.training)
+        if self._snapshot.masks_due:
+            self.wait()  # a mask file in writing reads the masks this forward may recompute
         if model.training:
             self._trained = True
 

@@ -22,7 +22,7 @@ import torch
 
 from openamct.config.specs import LayerPlan, Plan
 from openamct.prune.mask_bits import unpack_bits, unpack_rows
-from openamct.prune.mask_codec import bits_of_words, num_words, pack_mask, words_of_bits
+from openamct.prune.mask_codec import bits_of_words, num_words, pack_mask
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
@@ -185,8 +185,8 @@ class Sparsity24(Technique):
             return
         key = tuple((n, sp.version) for n, sp in ready.items())
         if state.blob is None or state.blob[0] != key:
-            # The held bits are the words' bytes: the blob copies them once, nothing is packed.
-            state.blob = (key, MaskBlob([(n, words_of_bits(sp.mask_bits)) for n, sp in ready.items()]))
+            # The held bits are the words' bytes: the blob reads them where they lie (sidecar.py).
+            state.blob = (key, MaskBlob([(n, sp.mask_bits) for n, sp in ready.items()]))
         blob = state.blob[1]
         sidecar.add(blob)
         for name, sp in ready.items():

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -139,9 +140,9 @@ def test_the_mask_files_hash_is_left_to_the_writing_thread(tmp_path, sidecar_alw
     threads = []
     real = hashlib.sha256
 
-    def spy(data):
+    def spy(*data):
         threads.append(threading.current_thread().name)
-        return real(data)
+        return real(*data)
 
     monkeypatch.setattr(sidecar, "hashlib", SimpleNamespace(sha256=spy))
     sgd_steps(model, x, steps=2)  # update_freq 1: new masks, so a new mask file, each step
@@ -152,6 +153,45 @@ def test_the_mask_files_hash_is_left_to_the_writing_thread(tmp_path, sidecar_alw
     entries = [pr.selective_prune for pr in read_record(rec).prune_record
                if pr.HasField("selective_prune") and attrs.find(pr.selective_prune, FILE) is not None]
     assert entries and all(attrs.get_str(e, FILE_SHA) == digest and attrs.get_str(e, FILE) == side for e in entries)
+
+
+def test_a_forward_that_recomputes_masks_waits_for_the_mask_file_in_writing(tmp_path, sidecar_always, monkeypatch):
+    """The mask file is written from the live masks, not a copy (a copy was 1/32 of the weights
+    in new pages in the first step): a forward due to recompute them waits until the write in
+    flight is done, or the file would hold masks other than those its name and hash say."""
+    from openamct.record import keeper
+
+    model, x, rec = trained(tmp_path, update_freq=1, steps=0)
+    checked = []
+    real = keeper._write
+
+    def slow(target, record, header, out):
+        time.sleep(0.3)  # the next step's forward, which recomputes every mask, comes meanwhile
+        real(target, record, header, out)
+        for blob in out.blobs:
+            path = tmp_path / sidecar.sidecar_name(os.path.basename(rec), blob.sha256)
+            checked.append(hashlib.sha256(path.read_bytes()).hexdigest() == blob.sha256)
+
+    monkeypatch.setattr(keeper, "_write", slow)
+    sgd_steps(model, x, steps=3, lr=0.5)  # big steps: each recompute changes the masks
+    model._openamct.wait()
+    assert len(checked) >= 2 and all(checked)
+    masks = masks_in_record(read_record(rec), rec)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, CompressedLayer)}
+    assert all(torch.equal(masks[n], layers[n].sparsity.mask) for n in masks)
+
+
+def test_load_state_dict_waits_for_the_mask_file_in_writing(tmp_path, sidecar_always, monkeypatch):
+    from openamct.record import keeper
+
+    model, x, rec = trained(tmp_path, steps=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    real = keeper._write
+    monkeypatch.setattr(keeper, "_write", lambda *a: (time.sleep(0.3), real(*a)))
+    sgd_steps(model, x, steps=1)  # computes the masks: their file is written in the background
+    assert model._openamct._writer is not None
+    model.load_state_dict(before)  # writes the masks in place: only once the file is written
+    assert model._openamct._writer is None
 
 
 def test_a_model_whose_masks_went_to_a_file_can_be_deep_copied_and_saved(tmp_path, sidecar_always):
