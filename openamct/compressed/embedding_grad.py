@@ -58,9 +58,7 @@ class _EmbeddingGrad(Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        ids, w = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:
-            return None, None, None
+        ids, w = ctx.saved_tensors  # (only a weight that requires grad comes this way)
         out = GRADIENTS.out_for(w, g)
         gw = torch.zeros_like(w) if out is None else out.zero_()
         gw.index_add_(0, ids.reshape(-1), g.reshape(-1, w.shape[1]))
