@@ -33,13 +33,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.memory_probe import Peak, first_touch_seconds_per_gb, rss  # noqa: E402
 
 SIZES = {  # name -> LlamaConfig arguments (untied head, vocab 32000)
     "60m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -53,57 +55,6 @@ SIZES = {  # name -> LlamaConfig arguments (untied head, vocab 32000)
 CFG = ("retrain_data_quant_config { ulq_quantize { dst_type: INT8 } }\n"
        "retrain_weight_quant_config { arq_retrain { dst_type: INT8 channel_wise: true } }\n"
        "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 0 } } }\n")
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
-class Peak:
-    """Peak RSS during a ``with`` block, above the RSS at its start."""
-
-    def __enter__(self):
-        self.faults_at_start = _minor_faults()
-        self.cpu_at_start = _cpu()
-        self.start = self.peak = rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        self.t0 = time.perf_counter()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss())
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-        self.above = self.peak - self.start
-        self.faulted = (_minor_faults() - self.faults_at_start) * _PAGE
-        self.cpu = tuple(b - a for a, b in zip(self.cpu_at_start, _cpu()))
-
-    def row(self) -> tuple[float, int, int, int]:
-        return self.seconds, self.above, self.peak, self.faulted
-
-
-def _cpu() -> tuple[float, float]:
-    """User and system CPU seconds of this process (all threads). A page fault is system time,
-    the host's share of it included: on these VMs a step's system time is mostly its faults."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
-
-
-def _minor_faults() -> int:
-    """Pages this process touched for the first time (or again after giving them back): on this
-    VM each costs what a fresh page costs, which swings several-fold with the host."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
 
 def build(size: str, seed: int = 0):
     import torch
@@ -400,22 +351,6 @@ def report(size: str, life: dict, plain: dict) -> None:
           f"first / steady {first / steady:.2f} (<= 2; FP32's own first / steady "
           f"{plain['fp32_step1'][0] / fp32:.2f}, FP32 training a copy {copy_first / copy_steady:.2f}); record write "
           f"{life['record_write'][0] / (life['params'] / 1e9):.2f} s per 1e9 params (<= 1)")
-
-
-def first_touch_seconds_per_gb(gb: float = 1.0) -> tuple[float, float]:
-    """Seconds per GB to write fresh pages, then the same pages again. On this VM the host backs
-    guest memory lazily and takes idle pages back within a minute: a step that touches new
-    memory (create's copy, the first step's gradients) swings with that, not with our code."""
-    import torch
-
-    n = int(gb * (1 << 30)) // 4
-    t0 = time.perf_counter()
-    t = torch.empty(n)
-    t.fill_(1.0)
-    t1 = time.perf_counter()
-    t.fill_(2.0)
-    t2 = time.perf_counter()
-    return (t1 - t0) / gb, (t2 - t1) / gb
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from openamct.compressed.grad_pool import GRADIENTS
+from openamct.graph.layers import module_aliases, parameter_owners
 from openamct.quant.functions import graph_mode
 
 __all__ = ["PooledGradEmbedding", "pool_embedding_grads"]
@@ -70,20 +71,11 @@ class _EmbeddingGrad(Function):
 def pool_embedding_grads(model: nn.Module) -> list[str]:
     """Make the plain, unshared embedding tables of ``model`` (a working copy) pool their weight
     gradient; returns their names."""
-    users: dict[int, int] = {}
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                users[id(p)] = users.get(id(p), 0) + 1
-    # modules() yields a module once even where it is registered twice: a table reached under
-    # two names is one user, but its weight is then used by two forwards, so look it up by name.
-    names: dict[int, list[str]] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(m), []).append(name)
+    owners, aliases = parameter_owners(model), module_aliases(model)
     done = []
-    for m in model.modules():
-        if type(m) is nn.Embedding and users.get(id(m.weight)) == 1 and len(names[id(m)]) == 1 \
+    for name, m in model.named_modules():
+        if type(m) is nn.Embedding and len(owners[id(m.weight)]) == 1 and len(aliases[id(m)]) == 1 \
                 and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq:
             m.__class__ = PooledGradEmbedding
-            done.append(names[id(m)][0])
+            done.append(name)
     return done

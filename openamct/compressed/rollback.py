@@ -61,6 +61,7 @@ def _put(m: nn.Module, state) -> None:
 class ForwardSnapshot:
     def __init__(self, layers: dict[str, nn.Module], training: bool) -> None:
         self.items, seen = [], set()
+        self.masks_due = False  # whether this forward may write a mask (and restore would write one back)
         for layer in layers.values():
             for m in (layer.act_quant, layer.sparsity, layer.out_observer):
                 if m is None or id(m) in seen:
@@ -69,8 +70,7 @@ class ForwardSnapshot:
                 state = _take(m, training)
                 if state is not None:
                     self.items.append((m, state))
-        # Whether this forward may write a mask (and restore would write one back).
-        self.masks_due = any(isinstance(m, NMSparsifier) and state[5] is not None for m, state in self.items)
+                    self.masks_due |= m is layer.sparsity and state[-1] is not None
 
     def restore(self) -> None:
         for m, state in self.items:

@@ -42,15 +42,27 @@ class LayerInfo:
         return m.in_channels // m.groups
 
 
-def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
-    """Every module of a supported type, in module order, with exclusions decided."""
+def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every "<module>.<name>" that holds it (more than one: a shared weight)."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append(f"{name}.{pname}")
+    return owners
+
+
+def module_aliases(model: nn.Module) -> dict[int, list[str]]:
+    """id(module) -> every name it is registered under (more than one: a module used twice)."""
     aliases: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         aliases.setdefault(id(module), []).append(name)
+    return aliases
+
+
+def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
+    """Every module of a supported type, in module order, with exclusions decided."""
+    owners = parameter_owners(model)
+    aliases = module_aliases(model)
 
     layers: dict[str, LayerInfo] = {}
     for name, module in model.named_modules():
