@@ -112,11 +112,7 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     out["create"] = p.row()
     work.train()
     opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
-    for i in range(1, STEPS + 1):
-        with Peak() as p:
-            _step(work, ids, opt)
-        out[f"train{i}"] = p.row()
-        out[f"train{i}_cpu"] = p.cpu
+    out.update(_sampled_steps(work, ids, opt, "train"))
     work._openamct.wait()  # the first step's record write, done in the background
     out["quiet"] = _quiet_steps(work, ids, opt)
     out["record_after_train"] = os.path.getsize(rec)
@@ -187,14 +183,9 @@ def run_steps(size: str, seq: int, folder: str) -> dict:
 
     model = build(size)
     ids = inputs(seq)
-    out = {}
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     model.train()
-    for i in range(1, STEPS + 1):
-        with Peak() as p:
-            _step(model, ids, opt)
-        out[f"fp32_step{i}"] = p.row()
-        out[f"fp32_step{i}_cpu"] = p.cpu
+    out = _sampled_steps(model, ids, opt, "fp32_step")
     out["fp32_quiet"] = _quiet_steps(model, ids, opt)
     return out
 
@@ -214,13 +205,7 @@ def run_copy_steps(size: str, seq: int, folder: str) -> dict:
     work = copy.deepcopy(model)
     work.train()
     opt = torch.optim.SGD(work.parameters(), lr=1e-4)
-    out = {}
-    for i in range(1, STEPS + 1):
-        with Peak() as p:
-            _step(work, ids, opt)
-        out[f"copy_step{i}"] = p.row()
-        out[f"copy_step{i}_cpu"] = p.cpu
-    return out
+    return _sampled_steps(work, ids, opt, "copy_step")
 
 
 def run_warm_first(size: str, seq: int, folder: str) -> dict:
@@ -239,13 +224,19 @@ def run_warm_first(size: str, seq: int, folder: str) -> dict:
     opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
     warm = torch.ones(int(1.5 * weight_bytes(model)) // 4)
     del warm
+    out = _sampled_steps(work, ids, opt, "warm_step")
+    work._openamct.wait()
+    return out
+
+
+def _sampled_steps(model, ids, opt, prefix: str) -> dict:
+    """STEPS training steps, each timed with its peak RSS, faults and CPU sampled."""
     out = {}
     for i in range(1, STEPS + 1):
         with Peak() as p:
-            _step(work, ids, opt)
-        out[f"warm_step{i}"] = p.row()
-        out[f"warm_step{i}_cpu"] = p.cpu
-    work._openamct.wait()
+            _step(model, ids, opt)
+        out[f"{prefix}{i}"] = p.row()
+        out[f"{prefix}{i}_cpu"] = p.cpu
     return out
 
 
