@@ -16,20 +16,34 @@ own gradient to it, which autograd then sums into a new tensor anyway), without 
 again at each call (a caller may set them later), and the path is taken only on CPU, for a float
 table, while a gradient is wanted and no graph is captured; otherwise it is
 ``nn.Embedding.forward``.
+
+A step looks up a few rows of a large table, so the buffer is not zeroed whole: a new one is an
+anonymous mapping (zero by the kernel, and its pages are only mapped where rows are written), and
+a reused one has only the rows the last backward wrote zeroed again, provided its version counter
+says nothing wrote to it since (a caller's in-place change to ``.grad`` bumps it: then all of it
+is zeroed). At 250M parameters the first step's zero-fill of a 131 MB table took 0.14 s on pages
+the host still backed, and more on new ones; a steady step wrote 131 MB of zeros.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
+from torch.utils.weak import WeakIdKeyDictionary
 
 from openamct.compressed.grad_pool import GRADIENTS
 from openamct.graph.layers import module_aliases, parameter_owners
 from openamct.quant.functions import graph_mode
 
 __all__ = ["PooledGradEmbedding", "pool_embedding_grads"]
+
+# weight -> ((its pooled buffer's address, the buffer's version), the rows written since it was
+# last all zero): what a backward must zero again before it adds.
+_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class PooledGradEmbedding(nn.Embedding):
@@ -60,12 +74,36 @@ class _EmbeddingGrad(Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         ids, w = ctx.saved_tensors  # (only a weight that requires grad comes this way)
-        out = GRADIENTS.out_for(w, g)
-        gw = torch.zeros_like(w) if out is None else out.zero_()
-        gw.index_add_(0, ids.reshape(-1), g.reshape(-1, w.shape[1]))
+        out = GRADIENTS.out_for(w, g, new=_zeroed_like)
+        rows = ids.reshape(-1)
+        if out is None:
+            gw = torch.zeros_like(w)
+        else:
+            gw = out
+            seen = _WRITTEN.pop(w, None)
+            if seen is not None and seen[0] == (gw.data_ptr(), gw._version):
+                gw.index_fill_(0, seen[1], 0)
+            else:
+                gw.zero_()
+        gw.index_add_(0, rows, g.reshape(-1, w.shape[1]))
         if ctx.padding_idx is not None:
             gw[ctx.padding_idx].zero_()
-        return None, (gw if out is None else GRADIENTS.handed(gw)), None
+        if out is None:
+            return None, gw, None
+        _WRITTEN[w] = ((gw.data_ptr(), gw._version), rows.to(torch.int64, copy=True))
+        return None, GRADIENTS.handed(gw), None
+
+
+def _zeroed_like(w: Tensor) -> Tensor:
+    """A contiguous buffer of ``w``'s shape and dtype over a private anonymous mapping: zero,
+    and its pages are mapped only where written. Recorded as all zero in ``_WRITTEN``."""
+    if w.numel() == 0:
+        return torch.zeros_like(w, memory_format=torch.contiguous_format)
+    mapped = torch.frombuffer(mmap.mmap(-1, w.numel() * w.element_size(), flags=mmap.MAP_PRIVATE), dtype=w.dtype)
+    # A tensor of its own over the storage, not a view: the pool counts the storage's users.
+    buf = torch.empty(0, dtype=w.dtype).set_(mapped.untyped_storage(), 0, w.shape)
+    _WRITTEN[w] = ((buf.data_ptr(), buf._version), torch.empty(0, dtype=torch.int64))
+    return buf
 
 
 def pool_embedding_grads(model: nn.Module) -> list[str]:

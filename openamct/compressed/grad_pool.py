@@ -30,6 +30,7 @@ where the buffer is not free (a ``.grad`` kept, accumulation) the codes get a bu
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -59,11 +60,13 @@ class GradPool:
         self._lock = threading.Lock()
         self._held: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def out_for(self, w: Tensor, like: Tensor, codes: Tensor | None = None) -> Tensor | None:
+    def out_for(self, w: Tensor, like: Tensor, codes: Tensor | None = None,
+                new: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
         """A buffer to write ``w``'s gradient into (``like``: a tensor of the gradient's dtype
         and device), or None for a fresh one. Call it inside backward, once per gradient.
         ``codes``: what ``codes_for`` gave this backward's forward, which the caller has read
-        for the last time (it may be overwritten)."""
+        for the last time (it may be overwritten). ``new(w)``: makes a buffer when one is due
+        (default: ``empty_like``)."""
         if _ALONE is None or torch.is_grad_enabled() or not w.is_leaf or like.dtype != w.dtype \
                 or like.device != w.device or not w.is_contiguous():
             return None
@@ -75,7 +78,7 @@ class GradPool:
                 return None
             spent = int(codes is not None and buf is not None and _same_storage(buf, codes))
             if not _fits(buf, w) or not _free(buf, spent):
-                buf = self._new(w)
+                buf = self._new(w, new)
             return buf
 
     def codes_for(self, w: Tensor) -> Tensor | None:
@@ -95,9 +98,9 @@ class GradPool:
                 return None
             return torch.empty(0, dtype=torch.int8, device=w.device).set_(buf.untyped_storage(), 0, w.shape)
 
-    def _new(self, w: Tensor) -> Tensor:
+    def _new(self, w: Tensor, new: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """A buffer for ``w``, held from now on in place of its last (call under the lock)."""
-        buf = torch.empty_like(w, memory_format=torch.contiguous_format)
+        buf = new(w) if new is not None else torch.empty_like(w, memory_format=torch.contiguous_format)
         self._held[w] = buf
         return buf
 
