@@ -16,11 +16,12 @@ of each, timed without the sampler (``_quiet_steps``); the first / steady ratio 
 that were both sampled. FP32 also trains a deep copy in a process that keeps the model it copied,
 as ours does: on these VMs the first pages past a process's first GB or two cost several times
 more, so that process, not FP32 alone, shows what the first step's memory costs any toolkit that
-leaves the caller's model as it is. Another process runs ours with 1.5 W written and freed just before its first step, so that the
-first step's new pages are ones the host still backs: a diagnostic that separates this VM's
-first touch from openamct's one-time work. A last process alternates steady steps of ours and of FP32
-(PLATFORM-NOTES measures fake-quant training cost interleaved), so both ratios of the steady
-step are printed: against FP32 in its own process, and interleaved. The last line prints each
+leaves the caller's model as it is. Another process runs ours with 1.5 W written and freed
+just before its first step, so that the first step's new pages are ones the host still backs: a
+diagnostic that separates this VM's first touch from openamct's one-time work. A last process
+alternates steady steps of ours and of FP32 (PLATFORM-NOTES measures fake-quant training cost
+interleaved), so both ratios of the steady step are printed: against FP32 in its own process,
+and interleaved. The last line prints each
 acceptance figure of issue 19 beside its bound.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]

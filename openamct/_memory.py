@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["return_free_memory", "drop_file_pages"]
+__all__ = ["return_free_memory", "drop_file_pages", "zero_mapped"]
 
 
 def _libc_function(name: str, argtypes: list, restype):
@@ -61,3 +61,15 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
         lo, hi = -(-start // page) * page, (start + storage.nbytes()) // page * page
         if hi > lo:  # whole pages inside this storage; an edge page shared with the next stays
             _MADVISE(lo, hi - lo, _DONTNEED)
+
+
+def zero_mapped(like: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor of ``like``'s shape and dtype over a private anonymous mapping:
+    zero without being written (the kernel's zero pages), and only the pages written get memory.
+    A tensor of its own over the mapping's storage, not a view (a view's base counts as one more
+    user of the storage, which the gradient pool reads)."""
+    if like.numel() == 0:
+        return torch.zeros(like.shape, dtype=like.dtype)
+    area = mmap.mmap(-1, like.numel() * like.element_size(), flags=mmap.MAP_PRIVATE)
+    mapped = torch.frombuffer(area, dtype=like.dtype)  # keeps ``area`` alive
+    return torch.empty(0, dtype=like.dtype).set_(mapped.untyped_storage(), 0, like.shape)

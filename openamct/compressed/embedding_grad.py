@@ -27,14 +27,13 @@ the host still backed, and more on new ones; a steady step wrote 131 MB of zeros
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils.weak import WeakIdKeyDictionary
 
+from openamct._memory import zero_mapped
 from openamct.compressed.grad_pool import GRADIENTS
 from openamct.graph.layers import module_aliases, parameter_owners
 from openamct.quant.functions import graph_mode
@@ -95,13 +94,9 @@ class _EmbeddingGrad(Function):
 
 
 def _zeroed_like(w: Tensor) -> Tensor:
-    """A contiguous buffer of ``w``'s shape and dtype over a private anonymous mapping: zero,
-    and its pages are mapped only where written. Recorded as all zero in ``_WRITTEN``."""
-    if w.numel() == 0:
-        return torch.zeros_like(w, memory_format=torch.contiguous_format)
-    mapped = torch.frombuffer(mmap.mmap(-1, w.numel() * w.element_size(), flags=mmap.MAP_PRIVATE), dtype=w.dtype)
-    # A tensor of its own over the storage, not a view: the pool counts the storage's users.
-    buf = torch.empty(0, dtype=w.dtype).set_(mapped.untyped_storage(), 0, w.shape)
+    """A new pool buffer for ``w``: zero, its pages mapped only where written; recorded as all
+    zero in ``_WRITTEN``."""
+    buf = zero_mapped(w)
     _WRITTEN[w] = ((buf.data_ptr(), buf._version), torch.empty(0, dtype=torch.int64))
     return buf
 

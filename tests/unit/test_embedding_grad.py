@@ -159,13 +159,14 @@ def test_rows_the_last_step_wrote_are_zeroed_again_and_a_changed_gradient_is_zer
 def test_a_large_tables_gradient_maps_only_the_rows_its_steps_write():
     """A step looks up a few rows of a large table: its gradient buffer is neither zero-filled
     whole when new nor again at each step (a 131 MB fill in a 250M Llama's first step)."""
+    import os
     import resource
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     ref, ours = _table_pair(32768, 512)  # 64 MB of gradient
-    page = 4096
+    page = os.sysconf("SC_PAGE_SIZE")
     mapped = 0
     for step in range(3):
         ids = torch.randint(0, 32768, (8,), generator=torch.Generator().manual_seed(step))
