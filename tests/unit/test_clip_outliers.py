@@ -99,3 +99,26 @@ def test_the_extremes_are_topks_values_exactly(case, largest):
         k = 2000
     got = clip_init._extremes(x, k, largest)
     torch.testing.assert_close(got, torch.topk(x, k, largest=largest).values, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_search_sample_holds_every_channel():
+    from openamct.quant import clip_init
+
+    tokens, channels = 300, 1024  # 307,200 values: a stride of 2 would keep the even channels only
+    assert tokens * channels > clip_init.MAX_SEARCH_ELEMS
+    sample = clip_init._subsample(torch.arange(tokens * channels, dtype=torch.float32).view(tokens, channels))
+    assert sample.numel() <= clip_init.MAX_SEARCH_ELEMS
+    assert set((sample.long() % channels).tolist()) == set(range(channels))
+    assert sample.long().min() < channels and sample.long().max() >= (tokens - 1) * channels  # first and last token
+
+
+def test_outlier_channels_at_odd_indices_widen_the_searched_clip():
+    from openamct.quant import clip_init
+
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(3))
+    x[:, 1::64] *= 20  # 16 outlier channels, all odd, as in an LLM's hidden states
+    hi, lo = clip_init.percentile_max_min(x)
+    best_max, best_min = clip_init.search_clips(x, hi, lo, fixed_min=False)
+    # Left out of the sample, the outliers would not count and the search would take the
+    # tightest candidate (0.7 x the range), clipping all 16 channels.
+    assert best_max > 0.9 * hi and best_min < 0.9 * lo
