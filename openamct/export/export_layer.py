@@ -28,6 +28,7 @@ from openamct.export.deferred import (
     DeferredWeight,
     is_placeholder,
     placeholder_value,
+    zero_twin,
 )
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
@@ -253,7 +254,7 @@ class _Dequantize(Function):
     @staticmethod
     def forward(ctx, q: Tensor, scale: Tensor, zero: Tensor, axis: int) -> Tensor:
         if is_placeholder(q):  # (values unused: see deferred.py)
-            return torch.zeros((), dtype=torch.float32).expand(q.shape)
+            return zero_twin(q, torch.float32)
         shape = [1] * q.dim()
         if scale.dim():
             shape[axis] = -1

@@ -31,7 +31,7 @@ from torch import nn
 from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps, temp_prefix
 from openamct._memory import return_free_memory
 from openamct.compressed.fused_linear import release_scratch
-from openamct.export.deferred import bind_placeholders
+from openamct.export.deferred import bind_placeholders, release_zero_pages
 from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import (
     compressed_layers,
@@ -154,23 +154,26 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     import hashlib
 
     h = hashlib.sha256()
-    with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
-        io = {k: v for k, v in names.items() if k != "work_dir"}
-        fake = fold_fake_quant(probe, techniques)
-        del probe
-        staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
-        del fake
-        gc.collect()  # the working copy's module tree has cycles: free it before the next one
-        work = working_copy(model)
-        observers = fold_deploy(work, techniques)
-        logger.debug("deploy model folded")
-        staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
-                                       lambda proto: finish_deploy(proto, observers)))
-        del work
-        gc.collect()
-        save_id = h.hexdigest()[:32]
-        for item in staged:
-            item.finish(save_id)
+    try:
+        with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
+            io = {k: v for k, v in names.items() if k != "work_dir"}
+            fake = fold_fake_quant(probe, techniques)
+            del probe
+            staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
+            del fake
+            gc.collect()  # the working copy's module tree has cycles: free it before the next one
+            work = working_copy(model)
+            observers = fold_deploy(work, techniques)
+            logger.debug("deploy model folded")
+            staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
+                                           lambda proto: finish_deploy(proto, observers)))
+            del work
+            gc.collect()
+            save_id = h.hexdigest()[:32]
+            for item in staged:
+                item.finish(save_id)
+    finally:
+        release_zero_pages()  # the placeholders' zeros: a mapping the size of the largest weight
     logger.info("wrote %s and %s", fake_path, deploy_path)
 
 

@@ -242,3 +242,66 @@ def test_an_embedding_table_is_written_from_the_models_tensor(tmp_path):
     with torch.no_grad():
         ref = c(ids).numpy()
     np.testing.assert_allclose(sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0], ref, rtol=0, atol=1e-5)
+
+
+class Widening(nn.Module):
+    """Linears of growing size: the placeholders' zero mapping grows while they are made."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 256), nn.Linear(256, 512)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _largest_allocation(fn) -> int:
+    """The largest block any op allocated through torch's allocator (its profiler's count)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+@pytest.mark.parametrize("kind", ["fake", "deploy"])
+def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
+    """A zero-stride placeholder made every matmul copy it out whole first: at 1.1B parameters
+    a save wrote 17.6 GB of such copies (four forwards), and the fake-quant export peaked +0.27 W."""
+    from openamct.export.deferred import release_zero_pages
+    from openamct.export.deploy import fold_deploy
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 64)  # activations (at most 2 KB) well under the smallest weight (16 KB)
+    cfg = tmp_path / "c.cfg"
+    cfg.write_text(CFG)
+    c = amct.create_compressed_retrain_model(Widening(), x, str(cfg), str(tmp_path / "r.txt"))
+    c.eval()
+    with torch.no_grad():
+        c(x)
+    work = working_copy(c)
+    if kind == "fake":
+        work = fold_fake_quant(work, c._openamct.techniques)
+    else:
+        fold_deploy(work, c._openamct.techniques)
+    smallest_weight = 64 * 64 * 4
+    try:
+        with torch.no_grad():
+            for _ in range(2):  # the second call reads what the first made, before the growth too
+                assert _largest_allocation(lambda: work(x)) < smallest_weight
+    finally:
+        release_zero_pages()
+
+
+def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth():
+    from benchmarks.memory_probe import rss
+    from openamct.export.deferred import is_placeholder, release_zero_pages, zero_view
+
+    try:
+        small = zero_view((4, 8), torch.float32)
+        big = zero_view((4096, 4096), torch.float32)  # 64 MB: the mapping grows
+        before = rss()
+        assert big.is_contiguous() and float(big.abs().sum()) == 0.0 and float(small.abs().sum()) == 0.0
+        assert rss() - before < 16 << 20  # read, they are the kernel's zero page
+        assert is_placeholder(small) and is_placeholder(big)
+        assert not is_placeholder(torch.zeros(4, 8)) and not is_placeholder(big.clone())
+    finally:
+        release_zero_pages()
