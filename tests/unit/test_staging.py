@@ -4,6 +4,7 @@ protobuf merge chunk per initializer) or as external data, and the file reads ba
 model it always was (issue 19). Real torch.onnx.export, onnx parsing and ONNX Runtime."""
 
 import os
+import sys
 
 import numpy as np
 import onnx
@@ -264,8 +265,8 @@ def _largest_allocation(fn) -> int:
 
 @pytest.mark.parametrize("kind", ["fake", "deploy"])
 def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
-    """A zero-stride placeholder made every matmul copy it out whole first: at 1.1B parameters
-    a save at 1.1B parameters faulted 9.08 GB (now 2.23), its fake-quant export peaking +0.27 W."""
+    """A zero-stride placeholder made every matmul copy it out whole first: a save at 1.1B
+    parameters faulted 9.08 GB (now 2.23), its fake-quant export peaking +0.27 W."""
     from openamct.export.deferred import release_zero_pages
     from openamct.export.deploy import fold_deploy
 
@@ -291,6 +292,7 @@ def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
         release_zero_pages()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth():
     from benchmarks.memory_probe import rss
     from openamct.export.deferred import is_placeholder, release_zero_pages, zero_view
@@ -299,7 +301,7 @@ def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth()
         small = zero_view((4, 8), torch.float32)
         big = zero_view((4096, 4096), torch.float32)  # 64 MB: the mapping grows
         before = rss()
-        assert big.is_contiguous() and float(big.abs().sum()) == 0.0 and float(small.abs().sum()) == 0.0
+        assert big.is_contiguous() and int(torch.count_nonzero(big)) == 0 == int(torch.count_nonzero(small))
         assert rss() - before < 16 << 20  # read, they are the kernel's zero page
         assert is_placeholder(small) and is_placeholder(big)
         assert not is_placeholder(torch.zeros(4, 8)) and not is_placeholder(big.clone())
