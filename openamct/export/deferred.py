@@ -194,6 +194,11 @@ class _ZeroPages(threading.local):
     def holds(self, t: Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.kept
 
+    def release(self) -> None:
+        self.flat.clear()
+        self.twins.clear()
+        self.kept.clear()
+
 
 _ZEROS = _ZeroPages()
 
@@ -210,10 +215,8 @@ def zero_twin(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def release_zero_pages() -> None:
-    """Unmap the placeholders' zeros (a save calls it when done)."""
-    _ZEROS.flat.clear()
-    _ZEROS.twins.clear()
-    _ZEROS.kept.clear()
+    """Unmap the placeholders' zeros (a save calls it after each model's export)."""
+    _ZEROS.release()
 
 
 def is_placeholder(t: Tensor) -> bool:

@@ -154,26 +154,23 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     import hashlib
 
     h = hashlib.sha256()
-    try:
-        with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
-            io = {k: v for k, v in names.items() if k != "work_dir"}
-            fake = fold_fake_quant(probe, techniques)
-            del probe
-            staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
-            del fake
-            gc.collect()  # the working copy's module tree has cycles: free it before the next one
-            work = working_copy(model)
-            observers = fold_deploy(work, techniques)
-            logger.debug("deploy model folded")
-            staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
-                                           lambda proto: finish_deploy(proto, observers)))
-            del work
-            gc.collect()
-            save_id = h.hexdigest()[:32]
-            for item in staged:
-                item.finish(save_id)
-    finally:
-        release_zero_pages()  # the placeholders' zeros: a mapping the size of the largest weight
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
+        io = {k: v for k, v in names.items() if k != "work_dir"}
+        fake = fold_fake_quant(probe, techniques)
+        del probe
+        staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
+        del fake
+        gc.collect()  # the working copy's module tree has cycles: free it before the next one
+        work = working_copy(model)
+        observers = fold_deploy(work, techniques)
+        logger.debug("deploy model folded")
+        staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
+                                       lambda proto: finish_deploy(proto, observers)))
+        del work
+        gc.collect()
+        save_id = h.hexdigest()[:32]
+        for item in staged:
+            item.finish(save_id)
     logger.info("wrote %s and %s", fake_path, deploy_path)
 
 
@@ -183,7 +180,10 @@ def _export_streamed(model: nn.Module, input_data: Any, path: str, stage: str, k
     stage it with its weights written one at a time."""
     folder = os.path.join(stage, kind)  # the exporter's own folder; the two files may share a name
     os.mkdir(folder)
-    file = export_to_file(model, input_data, folder, **io)
+    try:
+        file = export_to_file(model, input_data, folder, **io)
+    finally:
+        release_zero_pages()  # the placeholders' zeros: needed by the probe and the trace only
     proto = onnx.load(file, load_external_data=True)
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))
