@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["return_free_memory", "drop_file_pages", "zero_mapped"]
+__all__ = ["return_free_memory", "drop_file_pages", "drop_file_range", "zero_mapped"]
 
 
 def _libc_function(name: str, argtypes: list, restype):
@@ -52,15 +52,24 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
     1.1B parameters). Only for file mappings: on anonymous memory the same call would zero the
     pages, so callers pass nothing else. Where madvise is missing, nothing is done (the kernel
     still reclaims clean file pages under pressure)."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        _drop(storage.data_ptr(), storage.nbytes())
+
+
+def drop_file_range(t: torch.Tensor) -> None:
+    """``drop_file_pages`` for the whole pages under one contiguous tensor, not its storage: a
+    slice of a mapped tensor once copied (a tensor larger than a restore's load part)."""
+    _drop(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _drop(start: int, nbytes: int) -> None:
     if _MADVISE is None or _DONTNEED is None:
         return
     page = mmap.PAGESIZE
-    for t in tensors:
-        storage = t.untyped_storage()
-        start = storage.data_ptr()
-        lo, hi = -(-start // page) * page, (start + storage.nbytes()) // page * page
-        if hi > lo:  # whole pages inside this storage; an edge page shared with the next stays
-            _MADVISE(lo, hi - lo, _DONTNEED)
+    lo, hi = -(-start // page) * page, (start + nbytes) // page * page
+    if hi > lo:  # whole pages inside the range; an edge page shared with a neighbour stays
+        _MADVISE(lo, hi - lo, _DONTNEED)
 
 
 def zero_mapped(like: torch.Tensor) -> torch.Tensor:

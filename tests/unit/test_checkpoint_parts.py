@@ -99,3 +99,78 @@ def test_dropped_file_pages_leave_memory_and_read_back_from_the_file(tmp_path):
     after = _rss()
     assert before - after > 48 << 20, (before, after)
     assert float(t.sum()) == total and float(t[-1]) == (16 << 20) - 1  # back from the file
+
+
+class BigTable(nn.Module):
+    """An embedding table of 64 MB beside small layers: one tensor many load parts long, as a
+    language model's vocabulary table is at 60M parameters (a quarter of the weights)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(65536, 256)
+        self.fc = nn.Linear(256, 64)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def _mapped_rss(path: str) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) > 1 and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+                ours = line.rstrip().endswith(path)
+            elif ours and head[0] == "Rss:":
+                total += int(head[1]) << 10
+    return total
+
+
+def _big_table_checkpoint(folder, poison: bool = False):
+    cfg, rec, pth = (str(folder / n) for n in ("c.cfg", "r.txt", "ckpt.pth"))
+    with open(cfg, "w") as f:
+        f.write(CFG)
+    ids = torch.randint(0, 65536, (2, 8), generator=torch.Generator().manual_seed(1))
+    work = amct.create_compressed_retrain_model(BigTable(), ids, cfg, rec)
+    work(ids).sum().backward()
+    with torch.no_grad():
+        work.emb.weight.add_(1.0)  # not the caller's values: the restore must copy them in
+        if poison:
+            work.emb.weight[-1, -1] = float("nan")  # in the last slice
+    torch.save({"state_dict": work.state_dict()}, pth)
+    return work, ids, cfg, rec, pth
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_tensor_larger_than_a_part_is_copied_a_slice_at_a_time(tmp_path, monkeypatch):
+    work, ids, cfg, rec, pth = _big_table_checkpoint(tmp_path)
+    table = work.emb.weight.nbytes
+    seen = []  # the file's resident mapped bytes just before each drop of its pages
+
+    def spy(real):
+        def dropping(arg):
+            arg = list(arg) if not isinstance(arg, torch.Tensor) else arg
+            seen.append(_mapped_rss(os.path.realpath(pth)))
+            real(arg)
+        return dropping
+
+    monkeypatch.setattr(checkpoint, "drop_file_pages", spy(checkpoint.drop_file_pages))
+    monkeypatch.setattr(checkpoint, "drop_file_range", spy(checkpoint.drop_file_range))
+    back = amct.restore_compressed_retrain_model(BigTable(), ids, cfg, rec, pth, "state_dict")
+    assert torch.equal(back.emb.weight, work.emb.weight) and torch.equal(back.fc.weight, work.fc.weight)
+    total = sum(t.nbytes for t in back.state_dict().values())
+    slice_bytes = max(checkpoint.MIN_SLICE_BYTES, min(checkpoint.LOAD_PART_BYTES, total // checkpoint.LOAD_PARTS))
+    assert len(seen) > table // slice_bytes  # the table went in slices
+    # Never more than a slice mapped at once, and what the kernel maps around a read: the page
+    # cache's folios of up to 2 MB, mapped whole (measured: up to 4 MB more for 1 MB slices, on a
+    # 16 MB table). Copied whole, all 64 MB of the table were.
+    assert max(seen) <= slice_bytes + (8 << 20), (max(seen), slice_bytes, table)
+    assert _mapped_rss(os.path.realpath(pth)) < 64 << 10  # and none left behind
+
+
+def test_a_non_finite_value_in_a_later_slice_fails_the_restore_by_name(tmp_path):
+    _, ids, cfg, rec, pth = _big_table_checkpoint(tmp_path, poison=True)
+    with pytest.raises(ValueError, match=r"'emb\.weight' holds 1 NaN/inf value"):
+        amct.restore_compressed_retrain_model(BigTable(), ids, cfg, rec, pth, "state_dict")
