@@ -167,7 +167,7 @@ def test_a_tensor_larger_than_a_part_is_copied_a_slice_at_a_time(tmp_path, monke
     # cache's folios of up to 2 MB, mapped whole (measured: up to 4 MB more for 1 MB slices, on a
     # 16 MB table). Copied whole, all 64 MB of the table were.
     assert max(seen) <= slice_bytes + (8 << 20), (max(seen), slice_bytes, table)
-    assert _mapped_rss(os.path.realpath(pth)) < 64 << 10  # and none left behind
+    assert _mapped_rss(os.path.realpath(pth)) < 64 << 10  # and the file is not left mapped
 
 
 def test_a_non_finite_value_in_a_later_slice_fails_the_restore_by_name(tmp_path):
