@@ -99,7 +99,7 @@ def _not_finite(key: str, value: torch.Tensor, where: str) -> None:
                      "resume from an earlier checkpoint")
 
 
-def _copy_in_slices(key: str, value: torch.Tensor, mine: torch.Tensor, slice_bytes: int, pth_file: str) -> None:
+def _copy_in_slices(key: str, value: torch.Tensor, mine: torch.Tensor, slice_bytes: int, where: str) -> None:
     """Check and copy one mapped tensor larger than a load part a slice at a time, dropping each
     slice's file pages once copied: copied whole, all its file pages were mapped at once beside
     the working copy (the embedding table, 0.28 W of a 60M Llama: restore +1.58 W, issue 19)."""
@@ -109,7 +109,7 @@ def _copy_in_slices(key: str, value: torch.Tensor, mine: torch.Tensor, slice_byt
         for at in range(0, src.numel(), step):
             part = src[at:at + step]
             if part.is_floating_point() and not all_finite(part):
-                _not_finite(key, value, f"pth_file {pth_file!r}")
+                _not_finite(key, value, where)
             dst[at:at + step].copy_(part)
             drop_file_range(part)
     drop_file_pages([value])  # the pages a slice shared with its neighbour
@@ -178,7 +178,7 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> N
         sliced = frozenset(k for k in keys if k in from_file and _sliceable(sd[k], own[k], slice_bytes))
         collapsed += _check_values(sd, {k: own[k] for k in keys}, pth_file, sliced)
         for k in sliced:
-            _copy_in_slices(k, sd[k], own[k], slice_bytes, pth_file)
+            _copy_in_slices(k, sd[k], own[k], slice_bytes, f"pth_file {pth_file!r}")
         # A sliced key is loaded from the model's own tensor: load_state_dict still runs every
         # hook and check, and its copy of a tensor onto itself returns at once.
         part = {k: own[k] if k in sliced else sd[k] for k in keys}
