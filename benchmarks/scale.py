@@ -197,7 +197,7 @@ def run_copy_steps(size: str, seq: int, folder: str) -> dict:
     """Plain FP32 training of a deep copy while the caller's model stays held: what a toolkit
     that never edits the caller's model holds before its first step, without compressing
     anything. On these VMs the pages a process touches past its first GB or two cost several
-    times more (docs/large-models.md, fourteenth session), so this, and not FP32 alone, is the
+    times more (docs/dev/large-models-log.md, fourteenth session), so this, and not FP32 alone, is the
     reference that shows how much of our first step is memory any such toolkit pays for."""
     import copy
 
