@@ -380,10 +380,11 @@ def report(size: str, life: dict, plain: dict) -> None:
           f"{warm_first:.2f} s (system {plain['warm_step1_cpu'][1]:.2f} s), steady {warm_steady:.2f} s, first / steady "
           f"{warm_first / warm_steady:.2f}; the lifecycle's first step took {first - warm_first:.2f} s more (this VM's "
           f"first touch of new pages, and noise)")
-    pairs = sorted(a / b for a, b in zip(plain["interleaved"]["ours"], plain["interleaved"]["fp32"]))
+    pairs = [a / b for a, b in zip(plain["interleaved"]["ours"], plain["interleaved"]["fp32"])]
+    q1, _, q3 = statistics.quantiles(pairs, n=4, method="inclusive")
     print(f"interleaved in one process ({len(pairs)} pairs, medians): ours {inter['ours']:.2f} s, FP32 "
           f"{inter['fp32']:.2f} s, ratio {inter['ours'] / inter['fp32']:.2f}; each pair's ratio: median "
-          f"{statistics.median(pairs):.2f}, quartiles {_quantile(pairs, 0.25):.2f}-{_quantile(pairs, 0.75):.2f}")
+          f"{statistics.median(pairs):.2f}, quartiles {q1:.2f}-{q3:.2f}")
     print(f"steady steps without the RSS sampler (medians of {STEPS - 1}): ours {quiet:.2f} s, FP32 {fp32_quiet:.2f} s; "
           f"with it: ours {steady:.2f} s, FP32 {fp32:.2f} s")
     print(f"ratios: steady step / FP32 step {quiet / fp32_quiet:.2f}, first / steady {first / steady:.2f}, "
@@ -397,10 +398,6 @@ def report(size: str, life: dict, plain: dict) -> None:
           f"{plain['fp32_step1'][0] / fp32:.2f}, FP32 training a copy {copy_first / copy_steady:.2f}, ours on warmed "
           f"pages {warm_first / warm_steady:.2f}); record write "
           f"{life['record_write'][0] / (life['params'] / 1e9):.2f} s per 1e9 params (<= 1)")
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[round(q * (len(ordered) - 1))]
 
 
 def main() -> None:

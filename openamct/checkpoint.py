@@ -59,12 +59,11 @@ def _read(pth_file: str, state_dict_name: str | None) -> tuple[Mapping[str, torc
     return ckpt, mapped
 
 
-def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], pth_file: str,
+def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], where: str,
                   sliced: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """Each value of ``own``'s keys as it enters: dtype kind, finiteness (of ``sliced`` keys: as
     their slices are copied), 0/1 masks, clip order (issue 16); the collapsed quantizers found,
     for one warning."""
-    where = f"pth_file {pth_file!r}"
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
         value = sd[key]
@@ -171,20 +170,21 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> N
         raise ValueError(f"pth_file {pth_file!r} does not match the compressed model (was it saved from the "
                          f"model that create_*/restore_* returned, with this config and record?): {'; '.join(parts)}")
     collapsed = []
+    where = f"pth_file {pth_file!r}"
     total = sum(t.nbytes for t in own.values())
     limit = min(LOAD_PART_BYTES, max(total // LOAD_PARTS, 1))
     slice_bytes = max(limit, MIN_SLICE_BYTES)
     for keys in _parts(own, limit):
         sliced = frozenset(k for k in keys if k in from_file and _sliceable(sd[k], own[k], slice_bytes))
-        collapsed += _check_values(sd, {k: own[k] for k in keys}, pth_file, sliced)
+        collapsed += _check_values(sd, {k: own[k] for k in keys}, where, sliced)
         for k in sliced:
-            _copy_in_slices(k, sd[k], own[k], slice_bytes, f"pth_file {pth_file!r}")
+            _copy_in_slices(k, sd[k], own[k], slice_bytes, where)
         # A sliced key is loaded from the model's own tensor: load_state_dict still runs every
         # hook and check, and its copy of a tensor onto itself returns at once.
         part = {k: own[k] if k in sliced else sd[k] for k in keys}
         model.load_state_dict(part, strict=False)  # keys and shapes were matched above
         drop_file_pages(part[k] for k in keys if k in from_file and k not in sliced)
-    warn_grouped(logger, f"pth_file {pth_file!r}: collapsed activation quantizer(s)", collapsed)
+    warn_grouped(logger, f"{where}: collapsed activation quantizer(s)", collapsed)
     logger.info("loaded %d tensors from %s", len(sd), pth_file)
 
 
