@@ -1,6 +1,10 @@
 """What a benchmark step costs in memory and CPU on this machine (issue 19): peak RSS sampled
 during a step, the pages it touched for the first time, its user and system CPU, and what a GB
-of fresh memory costs to touch right now. Used by ``scale.py``."""
+of fresh memory costs to touch right now. Used by ``scale.py``; run on its own, it prints what
+fresh pages cost as a process grows:
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/memory_probe.py [--gb 4] [--step 0.5]
+"""
 
 from __future__ import annotations
 
@@ -74,3 +78,45 @@ def first_touch_seconds_per_gb(gb: float = 1.0) -> tuple[float, float]:
     t.fill_(2.0)
     t2 = time.perf_counter()
     return (t1 - t0) / gb, (t2 - t1) / gb
+
+
+def fresh_page_curve(total_gb: float = 4.0, step_gb: float = 0.5) -> list[tuple[float, float, float]]:
+    """Seconds per GB to touch fresh pages as the process grows: for each ``step_gb`` block,
+    (GB this process had touched before it, s/GB with one thread writing, s/GB with two). Every
+    block is kept, as a training process keeps its model and gradients. On these VMs the first GB
+    or so comes from pages the host still backs and is cheap; past it every page waits for the
+    host, which is what a first training step's gradients meet at 250M and up (issue 19)."""
+    import torch
+
+    n = int(step_gb * (1 << 30))
+    held, rows, threads = [], [], torch.get_num_threads()
+    try:
+        while len(held) * step_gb < total_gb:
+            row = [len(held) * step_gb]
+            for k in (1, 2):
+                torch.set_num_threads(k)
+                t = torch.empty(n, dtype=torch.uint8)
+                t0 = time.perf_counter()
+                t[::PAGE].fill_(1)  # one write per page: the fault, not the bandwidth
+                row.append((time.perf_counter() - t0) / step_gb)
+                held.append(t)
+            rows.append(tuple(row))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="What fresh pages cost on this machine as a process grows")
+    ap.add_argument("--gb", type=float, default=4.0, help="memory to touch in all (kept until the end)")
+    ap.add_argument("--step", type=float, default=0.5, help="GB per block")
+    args = ap.parse_args()
+    print(f"{'held GB':>8}{'1 thread s/GB':>15}{'2 threads s/GB':>16}")
+    for held, one, two in fresh_page_curve(args.gb, args.step):
+        print(f"{held:>8.1f}{one:>15.2f}{two:>16.2f}")
+
+
+if __name__ == "__main__":
+    main()
