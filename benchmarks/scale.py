@@ -1,9 +1,9 @@
 """The whole 2:4 + INT8 lifecycle on random-weight Llama models of growing size (issue 19).
 
 create -> 5 training steps (the first computes the masks and initialises the clips; the steady
-step is the median of the other four) -> eval forward -> record write -> save in one process; then
-ORT load of both files, and restore from a checkpoint of the trained model, each in a fresh
-process (as a resumed job would). Each step is timed, its peak RSS sampled (a thread reads
+step is the median of the other four) -> eval forward (then two more, timed) -> record write -> save
+in one process; then ORT load of both files, and restore from a checkpoint of the trained model,
+each in a fresh process (as a resumed job would). Each step is timed, its peak RSS sampled (a thread reads
 /proc/self/statm every 2 ms) and the memory it faulted in counted (minor faults: on this VM a
 fresh page costs 0.2 s/GB or, past the host's warm pages, 1.4 s/GB, so that column explains
 most of a step's swings). Peaks are printed as "above what the process held when the step
@@ -126,6 +126,7 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     with Peak() as p, torch.no_grad():
         work(**ids)
     out["eval"] = p.row()
+    out["eval_again"] = _timed_evals(work, ids, EVALS - 1)
     out["record_after_eval"] = os.path.getsize(rec)
     keeper = work._openamct
     keeper._last = None  # forget the last write, so flush builds and writes the record again
@@ -141,6 +142,23 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     out["files"] = {f: os.path.getsize(os.path.join(folder, f)) for f in files}
     torch.save(work.state_dict(), os.path.join(folder, "ckpt.pth"))  # for the restore part
     return out
+
+
+EVALS = 3  # eval forwards: the first (timed with its peak), then more, each timed on its own
+
+
+def _timed_evals(model, ids, n: int) -> list[float]:
+    """Seconds of ``n`` more eval forwards: one forward's time moved 2x between runs of a 1.1B
+    model (1.34-4.97 s), so growth is also given from the median of all of them."""
+    import torch
+
+    times = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = time.perf_counter()
+            model(**ids)
+            times.append(time.perf_counter() - t)
+    return times
 
 
 def run_ort_load(size: str, seq: int, folder: str) -> dict:
@@ -339,6 +357,10 @@ def spawn(part: str, size: str, args, folder: str | None = None) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _eval_median(life: dict) -> float:
+    return statistics.median([life["eval"][0], *life["eval_again"]])
+
+
 def report(size: str, life: dict, plain: dict) -> None:
     w = life["weights"]
     print(f"\n== {size}: {life['params'] / 1e6:.0f}M params, weights {w / 1e9:.2f} GB, "
@@ -364,6 +386,8 @@ def report(size: str, life: dict, plain: dict) -> None:
     print(f"first step: {first:.2f} s = steady {steady:.2f} s + {extra:.2f} s; FP32's first step is its steady one "
           f"+ {fp32_extra:.2f} s; one-time work {extra - fp32_extra:.2f} s = {(extra - fp32_extra) / steady:.2f} x the "
           f"steady step")
+    print(f"eval forwards: the first {life['eval'][0]:.2f} s, then " + ", ".join(f"{t:.2f}" for t in life["eval_again"])
+          + f" s; median {_eval_median(life):.2f} s")
     print(f"create: {life['create'][0]:.2f} s; a plain copy.deepcopy of the model (the copy create makes before "
           f"anything else): {plain['deepcopy'][0]:.2f} s, faulted {plain['deepcopy'][3] / 1e9:.2f} GB")
     inter = {k: statistics.median(v) for k, v in plain["interleaved"].items()}
@@ -444,6 +468,7 @@ def main() -> None:
         grow = lb["params"] / la["params"]
         print(f"\ngrowth {a} -> {b} ({grow:.1f}x params), time growth / param growth: " + ", ".join(
             f"{k} {lb[k][0] / la[k][0] / grow:.2f}" for k in ("create", "train1", f"train{STEPS}", "eval", "save"))
+            + f"; eval, median of {EVALS} {_eval_median(lb) / _eval_median(la) / grow:.2f}"
             + f"; a plain copy.deepcopy {pb['deepcopy'][0] / pa['deepcopy'][0] / grow:.2f}")
         # A peak under 1% of the weights is noise (a step that reused freed memory): no ratio.
         print(f"growth {a} -> {b}, peak+ growth / param growth: " + ", ".join(
