@@ -5,7 +5,7 @@ step is the median of the other four) -> eval forward (then two more, timed) -> 
 in one process; then ORT load of both files, and restore from a checkpoint of the trained model,
 each in a fresh process (as a resumed job would). Each step is timed, its peak RSS sampled (a thread reads
 /proc/self/statm every 2 ms) and the memory it faulted in counted (minor faults: on this VM a
-fresh page costs 0.2 s/GB or, past the host's warm pages, 1.4 s/GB, so that column explains
+fresh page costs 0.2-0.6 s/GB or, past the host's warm pages, 1.4-3.8 s/GB, so that column explains
 most of a step's swings). Peaks are printed as "above what the process held when the step
 began", divided by the model's weight bytes, so sizes compare directly, and as the process's
 absolute peak. For reference, a plain FP32 training step and a plain float ``torch.onnx.export``
@@ -148,8 +148,8 @@ EVALS = 3  # eval forwards: the first (timed with its peak), then more, each tim
 
 
 def _timed_evals(model, ids, n: int) -> list[float]:
-    """Seconds of ``n`` more eval forwards: one forward's time moved 2x between runs of a 1.1B
-    model (1.34-4.97 s), so growth is also given from the median of all of them."""
+    """Seconds of ``n`` more eval forwards: one eval forward of the 1.1B model took 1.34-4.97 s
+    across runs, so growth is also given from the median of all of them."""
     import torch
 
     times = []
