@@ -9,10 +9,11 @@ config (AutoChannelPruneConfig) ─ checked first, with input_data and output_cf
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from openamct.graph.capture import capture_graph, flatten_tensors
 from openamct.graph.layers import find_layers
+from openamct.search.budget import Budget
 from openamct.search.greedy import resolve_search_alg
 from openamct.search.report import GroupRow, SearchReport
 from openamct.search.search_config import (
@@ -70,15 +72,7 @@ def _first_sample(data: Any) -> Any:
     return data
 
 
-@dataclass
-class _Budget:
-    cost: Any  # kept -> float
-    base: float
-    target: float
-    unit: str
-
-
-def _macs_budget(space: SearchSpace, settings: SearchSettings) -> _Budget:
+def _macs_budget(space: SearchSpace, settings: SearchSettings) -> Budget:
     full, start = space.full_macs(), space.macs()
     best = space.macs(space.smallest())
     reachable = full / best if best > 0 else float("inf")
@@ -91,7 +85,7 @@ def _macs_budget(space: SearchSpace, settings: SearchSettings) -> _Budget:
             f"({full:,} -> {best:,.0f} per sample over the prunable layers)")
     if start < full:
         logger.info("override_prune_cfg groups already take the prunable MACs from %d to %.0f", full, start)
-    return _Budget(space.macs, full, full / settings.compress_ratio, "MACs")
+    return Budget(space.macs, full, full / settings.compress_ratio, "MACs")
 
 
 def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
@@ -119,43 +113,19 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
     if not any(not g.fixed for g in space.groups):
         raise ValueError(f"config {config!r}: no layer of {type(model).__name__} can be searched: "
                          + ("; ".join(b.describe() for b in space.blocked[:3]) or "no prunable Conv2d/Linear layers"))
-    if budget == "macs":
-        plan = _macs_budget(space, settings)
-    else:
-        from openamct.search.latency import latency_budget
+    with contextlib.ExitStack() as stack:  # the latency budget's ONNX folder goes on every path out
+        if budget == "macs":
+            plan = _macs_budget(space, settings)
+        else:  # onnx is loaded for the latency budget only
+            from openamct.search.latency import latency_budget, refine
 
-        plan = latency_budget(work, sample, graph, space, settings)
-
-    scores = sens.channel_scores(work, batches[:settings.test_iteration], [g.group for g in searched])
-    if not isinstance(scores, (list, tuple)) or len(scores) != len(searched):
-        raise ValueError(f"sensitivity {type(sens).__name__}.channel_scores must return one tensor per group "
-                         f"({len(searched)}), got {type(scores).__name__}")
-    for g, s in zip(searched, scores):
-        s = torch.as_tensor(s).detach().to(torch.float64).reshape(-1)
-        if s.numel() != g.channels or not torch.isfinite(s).all():
-            raise ValueError(f"sensitivity {type(sens).__name__}: the scores of group {', '.join(g.producers)} must "
-                             f"be {g.channels} finite numbers, got {s.numel()}")
-        g.set_scores(s)
-    for g in space.groups:
-        if g.scores is None:
-            g.set_scores(torch.zeros(g.channels, dtype=torch.float64))
-
-    kept = alg.search(space, plan.cost, plan.target)
-    if len(kept) != len(space.groups):
-        raise ValueError(f"search_alg {type(alg).__name__} returned {len(kept)} kept counts for {len(space.groups)} groups")
-    for g, k in zip(space.groups, kept, strict=True):
-        if k not in g.options:
-            raise ValueError(f"search_alg {type(alg).__name__} chose {k} channels for {', '.join(g.producers)}; "
-                             f"allowed: {g.options[:6]}{' ...' if len(g.options) > 6 else ''}")
-        g.kept = k
-    if plan.cost(kept) > plan.target * (1 + 1e-9):
-        raise ValueError(f"search_alg {type(alg).__name__} missed the budget: {plan.cost(kept):.4g} {plan.unit} "
-                         f"> {plan.target:.4g}")
-    report = _report(space, settings, plan, budget, output_cfg)
-    if budget == "latency":
-        from openamct.search.latency import refine
-
-        refine(work, sample, space, settings, plan, alg, report)
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="openamct-latency-"))
+            plan = latency_budget(work, sample, graph, space, settings, folder)
+        _set_scores(sens, work, batches[:settings.test_iteration], searched, space)
+        _set_kept(alg, space, plan)
+        report = _report(space, settings, plan, budget, output_cfg)
+        if budget == "latency":
+            refine(work, sample, space, settings, plan, alg, report)
     user_set = fixed_layers(settings.override, layers)
     ratios = {}
     for g in space.groups:
@@ -173,6 +143,38 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
     write_retrain_config(output_cfg, settings.override, ratios, header)
     logger.info("auto_channel_prune_search: %s written in %.1f s", output_cfg, report.seconds)
     return report
+
+
+def _set_scores(sens, work: nn.Module, batches, searched, space: SearchSpace) -> None:
+    """Each searched group's channel scores from ``sens``, checked; zeros for the others."""
+    scores = sens.channel_scores(work, batches, [g.group for g in searched])
+    if not isinstance(scores, (list, tuple)) or len(scores) != len(searched):
+        raise ValueError(f"sensitivity {type(sens).__name__}.channel_scores must return one tensor per group "
+                         f"({len(searched)}), got {type(scores).__name__}")
+    for g, s in zip(searched, scores):
+        s = torch.as_tensor(s).detach().to(torch.float64).reshape(-1)
+        if s.numel() != g.channels or not torch.isfinite(s).all():
+            raise ValueError(f"sensitivity {type(sens).__name__}: the scores of group {', '.join(g.producers)} must "
+                             f"be {g.channels} finite numbers, got {s.numel()}")
+        g.set_scores(s)
+    for g in space.groups:
+        if g.scores is None:
+            g.set_scores(torch.zeros(g.channels, dtype=torch.float64))
+
+
+def _set_kept(alg, space: SearchSpace, plan: Budget) -> None:
+    """The kept count per group from ``alg``, checked against the options and the budget."""
+    kept = alg.search(space, plan.cost, plan.target)
+    if len(kept) != len(space.groups):
+        raise ValueError(f"search_alg {type(alg).__name__} returned {len(kept)} kept counts for {len(space.groups)} groups")
+    for g, k in zip(space.groups, kept, strict=True):
+        if k not in g.options:
+            raise ValueError(f"search_alg {type(alg).__name__} chose {k} channels for {', '.join(g.producers)}; "
+                             f"allowed: {g.options[:6]}{' ...' if len(g.options) > 6 else ''}")
+        g.kept = k
+    if plan.cost(kept) > plan.target * (1 + 1e-9):
+        raise ValueError(f"search_alg {type(alg).__name__} missed the budget: {plan.cost(kept):.4g} {plan.unit} "
+                         f"> {plan.target:.4g}")
 
 
 def _rows(space: SearchSpace) -> list[GroupRow]:

@@ -30,6 +30,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from openamct.export.ort_session import THREADS, latency_ms, session
+from openamct.search.budget import Budget
 from openamct.search.space import SearchSpace
 
 logger = logging.getLogger(__name__)
@@ -195,12 +196,11 @@ def _measure(work, sample, space: SearchSpace, folder: str, runs: int = 30) -> t
     return lat["fp32"], lat["pruned"]
 
 
-def latency_budget(work, sample, graph, space: SearchSpace, settings):
-    from openamct.search.auto_search import _Budget
-
+def latency_budget(work, sample, graph, space: SearchSpace, settings, folder: str) -> Budget:
+    """The predicted-latency budget; the ONNX files go to ``folder``, which the caller owns and
+    removes (``refine`` reuses the FP32 file written there)."""
     if not hasattr(sample, "numpy"):
         raise ValueError("budget='latency' needs input_data batches whose data is one tensor (the ONNX model's input)")
-    folder = tempfile.mkdtemp(prefix="openamct-latency-")
     fp32 = os.path.join(folder, "fp32.onnx")
     _export(work, sample, fp32)
     fp32_ms = latency_ms({"fp32": session(fp32)}, sample.numpy(), runs=30, min_s=0.5)["fp32"]
@@ -210,9 +210,7 @@ def latency_budget(work, sample, graph, space: SearchSpace, settings):
         raise ValueError(f"config {settings.path!r}: compress_ratio {settings.compress_ratio:g} cannot be met with "
                          f"budget='latency': the smallest allowed sizes are predicted {fp32_ms / best:.3g}x faster "
                          f"({fp32_ms:.2f} -> {best:.2f} ms in ONNX Runtime)")
-    budget = _Budget(table.predict, fp32_ms, fp32_ms / settings.compress_ratio, "ms")
-    budget.table, budget.folder = table, folder
-    return budget
+    return Budget(table.predict, fp32_ms, fp32_ms / settings.compress_ratio, "ms", table=table, folder=folder)
 
 
 def _calibrated_target(table: LatencyTable, space: SearchSpace, kept: list[int], asked: float,
@@ -226,31 +224,26 @@ def _calibrated_target(table: LatencyTable, space: SearchSpace, kept: list[int],
     return min(max(target, table.predict(space.smallest())), table.predict(space.channels()))
 
 
-def refine(work, sample, space: SearchSpace, settings, budget, alg, report) -> None:
+def refine(work, sample, space: SearchSpace, settings, budget: Budget, alg, report) -> None:
     """Measure the pruned model; when it misses the request, calibrate the table on that
     measurement and search again (at most twice). The plan kept is the measured one that best
     meets the request, not merely the last one tried."""
-    import shutil
-
     table, asked = budget.table, settings.compress_ratio
     tried: list[tuple[list[int], float, float]] = []  # (kept, fp32 ms, pruned ms)
-    try:
-        for attempt in range(3):
-            kept = space.kept()
-            if any(kept == k for k, _, _ in tried) or (attempt and kept == space.channels()):
-                break
-            fp32_ms, pruned_ms = _measure(work, sample, space, budget.folder)
-            tried.append((kept, fp32_ms, pruned_ms))
-            measured = fp32_ms / pruned_ms
-            if abs(measured / asked - 1) <= TOLERANCE or attempt == 2:
-                break
-            target = _calibrated_target(table, space, kept, asked, measured)
-            logger.info("latency budget: measured %.2fx for %.2fx asked; searching again for a predicted %.2fx",
-                        measured, asked, table.fp32_ms / target)
-            for g, k in zip(space.groups, alg.search(space, budget.cost, target), strict=True):
-                g.kept = k
-    finally:
-        shutil.rmtree(budget.folder, ignore_errors=True)
+    for attempt in range(3):
+        kept = space.kept()
+        if any(kept == k for k, _, _ in tried) or (attempt and kept == space.channels()):
+            break
+        fp32_ms, pruned_ms = _measure(work, sample, space, budget.folder)
+        tried.append((kept, fp32_ms, pruned_ms))
+        measured = fp32_ms / pruned_ms
+        if abs(measured / asked - 1) <= TOLERANCE or attempt == 2:
+            break
+        target = _calibrated_target(table, space, kept, asked, measured)
+        logger.info("latency budget: measured %.2fx for %.2fx asked; searching again for a predicted %.2fx",
+                    measured, asked, table.fp32_ms / target)
+        for g, k in zip(space.groups, alg.search(space, budget.cost, target), strict=True):
+            g.kept = k
 
     def miss(t):  # prefer plans that meet the request, then the closest
         speedup = t[1] / t[2]

@@ -221,3 +221,28 @@ def test_arguments_and_output_path_are_checked_before_work(tmp_path):
         amct.auto_channel_prune_search(ConcatNet(), _cfg(tmp_path, "compress_ratio: 1.2\nascend_optimized: false\n", "c.cfg"),
                                        _batches((2, 3, 16, 16)), str(tmp_path / "o.cfg"))
     assert open(cfg).read() == "compress_ratio: 2\n" and not os.path.exists(tmp_path / "o.cfg")
+
+
+def test_the_latency_budgets_onnx_folder_is_removed_when_scoring_raises(tmp_path, monkeypatch):
+    import tempfile
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the search's temporary folders go here
+
+    class Broken(Sensitivity):
+        def __init__(self):
+            self.seen = []
+
+        def channel_scores(self, model, batches, groups):
+            self.seen.extend(p for p in temp.iterdir() if p.name.startswith("openamct-latency-"))
+            assert self.seen and (self.seen[0] / "fp32.onnx").exists()  # the budget wrote its model there
+            raise RuntimeError("scoring failed")
+
+    sens = Broken()
+    cfg = _cfg(tmp_path, "compress_ratio: 1.2\nascend_optimized: false\n")
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        amct.auto_channel_prune_search(MnistNet(), cfg, _batches((2, 1, 28, 28)), str(tmp_path / "o.cfg"), sens,
+                                       budget="latency")
+    assert len(sens.seen) == 1 and not sens.seen[0].exists()
+    assert not list(temp.iterdir())
