@@ -5,7 +5,7 @@ and V; a ``chunk(3, -1)``).
 Why the pieces become sources of their own: each piece is a tensor like a separate projection's
 output (Q, K or V, head-structured), so everything downstream (the head view, Q·Kᵀ, softmax·V,
 the merge into O) is followed as for three Linears. The layer is then a producer several
-times over, once per piece, at offsets ``i * size`` of its output rows (``_Source.begin``); the
+times over, once per piece, at offsets ``i * size`` of its output rows (``module_analysis.Source.begin``); the
 removal is the union of the pieces' rows, so one module edit cuts all three consistently.
 
 Why the pieces are coupled at once: a split by one size (``split_size``) or into ``chunks``
