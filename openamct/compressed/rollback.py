@@ -4,47 +4,82 @@ A forward that raises (a batch of the wrong shape) must not initialise activatio
 that batch, advance the 2:4 step counters or move the output ranges. The record keeper takes a
 ``ForwardSnapshot`` before each forward and drops it when the forward returns; a snapshot still
 there at the next forward, at ``state_dict()`` or at save belongs to a forward that raised, and
-is put back. Only what a forward changes is kept: uninitialised clips, step counters, and a
-mask only when this forward is due to recompute it.
+is put back.
+
+What it covers is every module a technique put in the model that a forward may change
+(``stateful_modules``): each compressed layer's parts (its children: folded BatchNorm, input,
+weight and output quantizers, output observer, 2:4 sparsifier, extra masks, whatever a
+technique added), the quantizers of the SiLU/Sigmoid wrappers and those of the residual output
+hooks. Only what a forward changes is copied: quantizers still initialising (an initialised
+ULQ clip moves only with the optimizer), a folded BatchNorm's running statistics when it
+trains, the observers and extra masks in training, a 2:4 mask only when this forward is due to
+recompute it; a module of another kind has all its tensors copied.
 """
 
 from __future__ import annotations
 
+import itertools
+
+import torch
 from torch import nn
 
 from openamct.prune.nm import NMSparsifier
-from openamct.quant.quantizers import ActULQ, RangeObserver
+from openamct.quant.activation import QuantizedActivation
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
+from openamct.quant.residual import OutputQuantHook
+
+__all__ = ["ForwardSnapshot", "stateful_modules"]
 
 _ALL_KEPT = object()  # a snapshot's mask: the all-kept one a sparsifier starts with
 _ACT = ("clip_max", "clip_min", "initialized", "init_batches", "init_range", "init_clip_sum")
 
 
-def _take(m: nn.Module, training: bool):
-    if isinstance(m, ActULQ):
+def stateful_modules(model: nn.Module | None, layers: dict[str, nn.Module]) -> list[tuple[nn.Module, bool]]:
+    """(module, is an extra mask) for every module of ``layers`` (name -> CompressedLayer) and
+    ``model`` that a forward may change, each once (a quantizer may be shared)."""
+    found: dict[int, tuple[nn.Module, bool]] = {}
+    for layer in layers.values():
+        masks = set(getattr(layer, "mask_names", ()))
+        for name, m in layer.named_children():
+            found.setdefault(id(m), (m, name in masks))
+    for m in model.modules() if model is not None else ():
+        if isinstance(m, QuantizedActivation):
+            for q in m.quantizers().values():
+                found.setdefault(id(q), (q, False))
+        for hook in m._forward_hooks.values():
+            if isinstance(hook, OutputQuantHook):
+                found.setdefault(id(hook.quantizer), (hook.quantizer, False))
+    return list(found.values())
+
+
+def _tensors(m: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(t, t.detach().clone()) for t in itertools.chain(m.parameters(), m.buffers())]
+
+
+def _take(m: nn.Module, training: bool, mask: bool):
+    if isinstance(m, (ActULQ, WeightULQ)):
         if bool(m.initialized):
             return None
-        return {k: getattr(m, k).detach().clone() for k in _ACT}, m._init_last_input
+        return _tensors(m), getattr(m, "_init_last_input", None)
     if isinstance(m, NMSparsifier):
         due = not m._ready or (training and m.update_freq > 0 and m._step % m.update_freq == 0)
         # Packed: a copy costs an eighth of a byte per weight (issue 19). A mask not computed
         # yet is all kept, which is put back without a copy: in the first step at 1.1B the
         # copies were 130 MB of new pages, 0.55 s on these VMs.
-        mask = None
+        bits = None
         if due:
-            mask = _ALL_KEPT if not m._ready and m.holds_all_kept() else m.mask_bits.clone()
-        return m._step, m._ready, m.step.clone(), m.mask_ready.clone(), m._changes.clone(), mask
-    if isinstance(m, RangeObserver) and training:
-        return m.min_val.clone(), m.max_val.clone(), m.initialized.clone()
-    return None
+            bits = _ALL_KEPT if not m._ready and m.holds_all_kept() else m.mask_bits.clone()
+        return m._step, m._ready, m.step.clone(), m.mask_ready.clone(), m._changes.clone(), bits
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):  # running statistics, in its own training mode
+        return _tensors(m) if m.training and m.track_running_stats else None
+    if isinstance(m, RangeObserver) or mask:  # updated in training only (LayerParts.masks: "may")
+        return _tensors(m) if training else None
+    return _tensors(m) or None
 
 
+@torch.no_grad()
 def _put(m: nn.Module, state) -> None:
-    if isinstance(m, ActULQ):
-        tensors, last = state
-        for k, v in tensors.items():
-            getattr(m, k).data.copy_(v)
-        m._init_last_input = last
-    elif isinstance(m, NMSparsifier):
+    if isinstance(m, NMSparsifier):
         m._step, m._ready, step, ready, changes, mask = state
         m.step.copy_(step)
         m.mask_ready.copy_(ready)
@@ -53,24 +88,27 @@ def _put(m: nn.Module, state) -> None:
             m.reset_all_kept()
         elif mask is not None:
             m.mask_bits.copy_(mask)
-    elif isinstance(m, RangeObserver):
-        for buf, v in zip((m.min_val, m.max_val, m.initialized), state, strict=True):
-            buf.copy_(v)
+        return
+    if isinstance(m, (ActULQ, WeightULQ)):
+        state, last = state
+        if isinstance(m, ActULQ):
+            m._init_last_input, m._last = last, None  # no output cached from the failed forward
+    for t, v in state:
+        if t.shape == v.shape:
+            t.copy_(v)
+        else:  # WeightULQ's first init gives its scale the weight's channel count
+            t.data = v
 
 
 class ForwardSnapshot:
-    def __init__(self, layers: dict[str, nn.Module], training: bool) -> None:
-        self.items, seen = [], set()
+    def __init__(self, layers: dict[str, nn.Module], training: bool, model: nn.Module | None = None) -> None:
+        self.items = []
         self.masks_due = False  # whether this forward may write a mask (and restore would write one back)
-        for layer in layers.values():
-            for m in (layer.act_quant, layer.sparsity, layer.out_observer):
-                if m is None or id(m) in seen:
-                    continue
-                seen.add(id(m))
-                state = _take(m, training)
-                if state is not None:
-                    self.items.append((m, state))
-                    self.masks_due |= m is layer.sparsity and state[-1] is not None
+        for m, mask in stateful_modules(model, layers):
+            state = _take(m, training, mask)
+            if state is not None:
+                self.items.append((m, state))
+                self.masks_due |= isinstance(m, NMSparsifier) and state[-1] is not None
 
     def restore(self) -> None:
         for m, state in self.items:

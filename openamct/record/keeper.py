@@ -85,7 +85,7 @@ class RecordKeeper:
         from openamct.compressed.rollback import ForwardSnapshot
 
         self.undo_failed_forward()
-        self._snapshot = ForwardSnapshot(self.layers, model.training)
+        self._snapshot = ForwardSnapshot(self.layers, model.training, model)
         if self._snapshot.masks_due:
             self.wait()  # a mask file in writing reads the masks this forward may recompute
         if model.training:

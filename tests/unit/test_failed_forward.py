@@ -98,3 +98,93 @@ def test_all_kept_is_recognised_and_rewritten_with_a_partial_last_byte(shape):
     sp.mask_bits.zero_()
     sp.reset_all_kept()
     assert torch.equal(sp.mask_bits, start) and sp.holds_all_kept()
+
+
+SE_CFG = ("batch_num: 2\nretrain_data_quant_config { ulq_quantize { } }\n"
+          "retrain_weight_quant_config { arq_retrain { channel_wise: true } }\n")
+
+
+class SEResNet(nn.Module):
+    """A ReLU that a conv and a residual Add both read (an output hook), a SiLU, a squeeze-excite
+    gate (Sigmoid, multiply) and a conv whose output only the Add reads (an output quantizer).
+    Raises at the very end of a forward when ``fail`` is set: every quantizer has run."""
+
+    def __init__(self, c: int = 8) -> None:
+        from tests.se_model import SqueezeExcite
+
+        super().__init__()
+        self.stem = nn.Conv2d(1, c, 3, padding=1, bias=False)
+        self.act = nn.ReLU()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.silu = nn.SiLU()
+        self.se = SqueezeExcite(c, 4)
+        self.proj = nn.Conv2d(c, c, 1, bias=False)
+        self.head = nn.Conv2d(c, 4, 1, bias=False)
+        self.fail = False
+
+    def forward(self, x):
+        r = self.act(self.stem(x))
+        out = self.head(r + self.proj(self.se(self.silu(self.bn(self.conv(r))))))
+        if self.fail:
+            raise RuntimeError("forward failed after the quantizers ran")
+        return out
+
+
+def _quantizer_state(model):
+    """Every tensor and init-batch input of every ActULQ the model runs: the layers' input and
+    output quantizers, the SiLU/Sigmoid wrappers' q_in/q_inner/q_out, the residual hooks'."""
+    from openamct.quant.activation import QuantizedActivation
+    from openamct.quant.quantizers import ActULQ
+    from openamct.quant.residual import output_hooks
+
+    found = {n: m for n, m in model.named_modules() if isinstance(m, ActULQ)}
+    found.update({f"{n} hook": h.quantizer for n, h in output_hooks(model)})
+    wrappers = [m for m in model.modules() if isinstance(m, QuantizedActivation)]
+    assert wrappers and output_hooks(model) and any(w.kind == "silu" for w in wrappers) \
+        and any(w.kind == "sigmoid" for w in wrappers)
+    assert any(getattr(m, "out_quant", None) is not None for m in model.modules())
+    return {n: ({k: v.detach().clone() for k, v in q.state_dict().items()}, q._init_last_input)
+            for n, q in found.items()}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        (ta, la), (tb, lb) = a[n], b[n]
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), (n, {k: (ta[k], tb[k]) for k in ta
+                                                                if not torch.equal(ta[k], tb[k])})
+        assert la is lb, n
+
+
+def test_a_failed_forward_puts_back_every_quantizer_of_activations_outputs_and_residual_adds(tmp_path):
+    """SiLU, Sigmoid (SE gate) and a residual Add in INT8 with batch_num 2: a forward that raises
+    after the first batch leaves every quantizer as the first batch left it, and the second good
+    batch initialises exactly as in a twin that never saw the failed one."""
+    (tmp_path / "c.cfg").write_text(SE_CFG)
+    g = torch.Generator().manual_seed(1)
+    x1, x2, bad = torch.randn(4, 1, 28, 28, generator=g), torch.randn(4, 1, 28, 28, generator=g), \
+        torch.randn(4, 1, 28, 28, generator=g) * 100
+    torch.manual_seed(0)
+    model = SEResNet().eval()
+    made = [amct.create_compressed_retrain_model(model, x1, str(tmp_path / "c.cfg"),
+                                                 str(tmp_path / f"r{i}.txt")) for i in range(2)]
+    for m in made:
+        m.train()
+        m(x1)
+    m, twin = made
+    before = _quantizer_state(m)
+    assert any(int(t["init_batches"]) == 1 and not bool(t["initialized"]) for t, _ in before.values())
+    whole = {k: v.clone() for k, v in m.state_dict().items()}
+    m.fail = True
+    with pytest.raises(RuntimeError, match="quantizers ran"):
+        m(bad)
+    m.fail = False
+    m._openamct.undo_failed_forward()  # what the next forward, state_dict() or save do first
+    _same(_quantizer_state(m), before)
+    after = m.state_dict()
+    assert [k for k in whole if not torch.equal(whole[k], after[k])] == []
+    m(x2)
+    twin(x2)
+    _same(_quantizer_state(m), _quantizer_state(twin))
+    assert all(bool(t["initialized"]) for t, _ in _quantizer_state(m).values())
