@@ -31,7 +31,6 @@ from openamct.quant.residual import OutputQuantHook
 __all__ = ["ForwardSnapshot", "stateful_modules"]
 
 _ALL_KEPT = object()  # a snapshot's mask: the all-kept one a sparsifier starts with
-_ACT = ("clip_max", "clip_min", "initialized", "init_batches", "init_range", "init_clip_sum")
 
 
 def stateful_modules(model: nn.Module | None, layers: dict[str, nn.Module]) -> list[tuple[nn.Module, bool]]:
