@@ -106,10 +106,21 @@ def flat_inputs(flat: FlatIO) -> tuple[tuple, list[str]]:
     return tuple(tensors), names
 
 
+def forward_on_input_data(model: nn.Module, args: tuple, kwargs: dict):
+    """One no-grad forward of the model being saved on ``input_data``: a failure here is the
+    input's (a wrong shape or dtype), so it is named as such instead of torch's op error."""
+    try:
+        with torch.no_grad():
+            return model(*args, **kwargs)
+    except Exception as exc:  # whatever the model's ops raise for an input that does not fit
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"save_*: input_data does not fit the model: its forward failed "
+                         f"({type(exc).__name__}: {first}); pass a batch shaped like the training data") from None
+
+
 def export_signature(model: nn.Module, args: tuple, kwargs: dict):
     """(module to export, its args, its kwargs, input names, output names) for torch.onnx.export."""
-    with torch.no_grad():
-        out = model(*args, **kwargs)
+    out = forward_on_input_data(model, args, kwargs)
     tensors, out_names, dropped = flatten_outputs(out)
     direct = _positional_names(model, args, kwargs)
     if direct is not None and isinstance(out, (torch.Tensor, tuple, list)) and not dropped:
