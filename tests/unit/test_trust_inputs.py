@@ -49,7 +49,7 @@ def _cfg(tmp_path) -> str:
 def _trained(tmp_path, model, x):
     m = amct.create_compressed_retrain_model(model, x, _cfg(tmp_path), str(tmp_path / "r.txt"))
     m.train()
-    m(x)
+    m(*x) if isinstance(x, tuple) else m(x)
     m.eval()
     return m
 
@@ -141,3 +141,36 @@ def test_transformer_encoder_layer_saves_and_matches_in_onnxruntime(tmp_path):
     # Six quantized Linears in a row: an activation on a rounding boundary may land one grid
     # step apart in ORT's float order, so compare at a few grid steps, not bit for bit.
     assert torch.allclose(got, want, atol=5e-3), (got - want).abs().max()
+
+
+class PairInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(6, 4)
+
+    def forward(self, pair):
+        x, y = pair
+        return self.a(x) + self.b(y)
+
+
+def test_a_nested_tuple_input_is_exported_as_inputs_not_constants(tmp_path):
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 6), torch.randn(3, 6)
+    m = _trained(tmp_path, PairInput(), ((x, y),))
+    amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "pair"), ((x, y),))
+    x2, y2 = torch.randn(3, 6), torch.randn(3, 6)  # other values than the calibration batch
+    with torch.no_grad():
+        want = m((x2, y2))
+    for kind in ("fake_quant", "deploy"):
+        path = str(tmp_path / f"pair_{kind}_model.onnx")
+        names = [i.name for i in onnx.load(path).graph.input]
+        assert names == ["input_0_0", "input_0_1"], names
+        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(sess.run(None, {"input_0_0": x2.numpy(), "input_0_1": y2.numpy()})[0])
+        assert torch.allclose(got, want, atol=0.05), (kind, (got - want).abs().max())
+    fake = ort.InferenceSession(str(tmp_path / "pair_fake_quant_model.onnx"), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(fake.run(None, {"input_0_0": x2.numpy(), "input_0_1": y2.numpy()})[0])
+    assert torch.allclose(got, want, atol=1e-5)
