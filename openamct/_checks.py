@@ -94,6 +94,9 @@ def check_input_data(input_data: Any) -> None:
                 yield from tensors(x, f"{path}[{k!r}]")
 
     for where, t in tensors(input_data, "input_data"):
+        if t.is_meta:
+            raise ValueError(f"{where} is on the meta device: give real "
+                             "sample values (calibration and graph capture run the model on them)")
         if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{where} holds NaN/inf values: give finite sample data")
 
@@ -138,7 +141,12 @@ def save_paths(save_path: str) -> tuple[str, str]:
         folder, base = os.path.split(save_path)
         folder = folder or "."
         prefix = base + "_"
-    if not os.path.isdir(folder):
-        raise ValueError(f"save_path {save_path!r}: folder {folder!r} does not exist; create it first")
+    # A folder that does not exist yet is created when the files are written (pipeline.save),
+    # as a user pasting the quick start expects; a path through a file can never be one.
+    existing = folder
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep)) if existing.rstrip(os.sep) else ""
+    if existing and not os.path.isdir(existing):
+        raise ValueError(f"save_path {save_path!r}: {existing!r} is a file, not a folder")
     return (os.path.join(folder, f"{prefix}fake_quant_model.onnx"),
             os.path.join(folder, f"{prefix}deploy_model.onnx"))

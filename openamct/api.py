@@ -46,8 +46,8 @@ def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, o
     check_dynamic_axes(dynamic_axes)
     fake, deploy = save_paths(save_path)
     inputs = {"config_file": config_file, "record_file": record_file or None}
-    check_output("save_path", fake, "onnx", inputs)
-    check_output("save_path", deploy, "onnx", inputs)
+    check_output("save_path", fake, "onnx", inputs, make_folder=True)
+    check_output("save_path", deploy, "onnx", inputs, make_folder=True)
     if record_file:
         check_output("record_file", record_file, "record", {"config_file": config_file, "save_path": fake})
         check_output("record_file", record_file, "record", {"save_path": deploy})

@@ -50,8 +50,13 @@ def same_file(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _probe_folder(arg: str, path: str) -> None:
+def _probe_folder(arg: str, path: str, make_folder: bool = False) -> None:
     folder = os.path.dirname(path)
+    if make_folder:  # the folder is made at write time: probe the nearest one that exists
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise ValueError(f"{arg} {path!r}: {folder!r} is a file, not a folder")
     if not os.path.isdir(folder):
         raise ValueError(f"{arg} {path!r}: folder {folder!r} does not exist; create it first")
     try:
@@ -108,15 +113,17 @@ def _is_kind(path: str, kind: str) -> bool:
     raise ValueError(f"unknown output kind {kind!r}")
 
 
-def check_output(arg: str, path: str, kind: str, inputs: Mapping[str, str | None] | None = None) -> str:
+def check_output(arg: str, path: str, kind: str, inputs: Mapping[str, str | None] | None = None,
+                 make_folder: bool = False) -> str:
     """Refuse (ValueError naming ``arg``) a path that is an input of the same call, an existing
-    file of another kind, or in a folder that does not exist or is not writable."""
+    file of another kind, or in a folder that is not writable or (unless the caller will make it,
+    ``make_folder``) does not exist."""
     full = check_path_syntax(arg, path)
     for name, other in (inputs or {}).items():
         if isinstance(other, str) and other and "\0" not in other and same_file(full, other):
             raise ValueError(f"{arg} {path!r} is the same file as {name}: it would be overwritten; "
                              f"give {arg} a new path")
-    _probe_folder(arg, full)
+    _probe_folder(arg, full, make_folder)
     if os.path.exists(full):
         if not os.path.isfile(full):
             raise ValueError(f"{arg} {path!r} exists and is not a regular file")

@@ -6,6 +6,7 @@ Every technique goes through the same verbs (``openamct.techniques.base``), in r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from openamct.checkpoint import load_into
@@ -178,13 +180,47 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         keeper.flush(record_file)
     except OSError as exc:
         raise ValueError(f"record_file {record_file or keeper.path!r} cannot be written: {exc}") from None
-    import torch.onnx
-
     from openamct.export.precheck import explain_export_error
 
+    made = _make_folders(os.path.dirname(os.path.abspath(fake_path)))
     try:
-        export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
-                    techniques=keeper.techniques)
+        # nn.MultiheadAttention's fused no-grad path (aten::_native_multi_head_attention) has no
+        # ONNX export; the unfused path computes the same function.
+        with _mha_fastpath(False):
+            export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
+                        techniques=keeper.techniques)
     except torch.onnx.OnnxExporterError as exc:
+        _remove_empty(made)
         raise explain_export_error(model, exc) from None
+    except BaseException:
+        _remove_empty(made)
+        raise
     return fake_path, deploy_path
+
+
+@contextlib.contextmanager
+def _mha_fastpath(enabled: bool):
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def _make_folders(folder: str) -> list[str]:
+    """Create ``folder`` and its missing parents; the ones created, deepest first."""
+    made = []
+    while not os.path.isdir(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    for path in reversed(made):
+        os.mkdir(path)
+    return made
+
+
+def _remove_empty(folders: list[str]) -> None:
+    """A failed save leaves no folder it made (deepest first, only while empty)."""
+    for path in folders:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)

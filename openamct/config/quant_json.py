@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 
 from openamct._atomic import atomic_write_bytes
@@ -58,11 +59,58 @@ def _field(obj: Mapping, key: str, types, where: str, default=None, required=Fal
     return value
 
 
+# The keys a layer entry and its blocks may hold: anything else is a typo that would be ignored.
+_ENTRY_KEYS = {"": ("retrain_enable", "retrain_data_config", "retrain_weight_config"),
+               "retrain_data_config": ("algo", "dst_type", "clip_max", "clip_min", "fixed_min"),
+               "retrain_weight_config": ("algo", "channel_wise", "dst_type")}
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_duplicates(pairs: list) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _line_of(text: str, key: str, nth: int = 1, start: int = 0) -> str:
+    """'line N: ' of the nth occurrence of ``key`` as an object key at or after ``start``."""
+    pattern = re.compile(r'"' + re.escape(key) + r'"\s*:')
+    hits = [m.start() for m in pattern.finditer(text, start)]
+    if len(hits) < nth:
+        return ""
+    return f"line {text.count(chr(10), 0, hits[nth - 1]) + 1}: "
+
+
+def _check_keys(entry: dict, name: str, text: str, src: str) -> None:
+    start = max(text.find(f'"{name}"'), 0)
+    for block, allowed in _ENTRY_KEYS.items():
+        obj = entry.get(block) if block else entry
+        if not isinstance(obj, dict):
+            continue
+        for key in obj:
+            if key not in allowed:
+                where = f"layer {name!r}" + (f".{block}" if block else "")
+                raise ConfigError(f"{src}: {_line_of(text, key, start=start)}{where}: unknown key {key!r} "
+                                  f"(allowed: {', '.join(allowed)})")
+
+
 def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str) -> Plan:
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as dup:
+        text = raw.decode("utf-8", errors="replace")
+        raise ConfigError(f"{src}: {_line_of(text, dup.key, nth=2)}key {dup.key!r} is given twice: "
+                          "JSON would keep only the last one; give it once") from None
     except (ValueError, RecursionError) as exc:  # also too deep nesting, too many digits, bad UTF-8
         raise ConfigError(f"{src}: not valid JSON: {exc}") from None
+    text = raw.decode("utf-8", errors="replace")
     if not isinstance(data, dict):
         raise ConfigError(f"{src}: the top level must be a JSON object")
     batch_num = _field(data, "batch_num", int, src, default=1)
@@ -79,6 +127,7 @@ def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str) -> Pla
             raise ConfigError(f"{where} is a {layers[name].type}, which is not quantizable")
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: must be an object")
+        _check_keys(entry, name, text, src)
         if not _field(entry, "retrain_enable", bool, where, default=True) or layers[name].excluded:
             continue
         d = _field(entry, "retrain_data_config", dict, where, default={})

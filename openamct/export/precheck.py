@@ -22,10 +22,6 @@ _UNEXPORTABLE = {
     nn.ChannelShuffle: ("aten::channel_shuffle has no ONNX export at opset 17",
                         "write the shuffle as x.view(n, g, c // g, h, w).transpose(1, 2).reshape(n, c, h, w)"),
 }
-_RISKY = {
-    nn.MultiheadAttention: "in eval mode it may take the fused path aten::_native_multi_head_attention, which "
-                           "has no ONNX export; if save_* fails there, call it with need_weights=True",
-}
 
 
 def check_modules(model: nn.Module, when: str) -> None:
@@ -33,9 +29,6 @@ def check_modules(model: nn.Module, when: str) -> None:
         for cls, (why, fix) in _UNEXPORTABLE.items():
             if isinstance(m, cls):
                 raise ValueError(f"model: module {name!r} ({cls.__name__}) cannot be exported to ONNX ({why}): {fix}")
-    risky = [(n, type(m).__name__) for n, m in model.named_modules() if type(m) in _RISKY]
-    if risky and when == "create":
-        logger.warning("module %r (%s) %s", risky[0][0], risky[0][1], _RISKY[type(model.get_submodule(risky[0][0]))])
 
 
 def _flat(out: Any) -> list[torch.Tensor]:
@@ -64,11 +57,10 @@ def check_names(model: nn.Module, input_data: Any, input_names, output_names, dy
     if output_names is None and not dynamic_axes:
         return
     from openamct.export.export_layer import working_copy
-    from openamct.export.signature import export_signature, flatten_outputs
+    from openamct.export.signature import export_signature, flatten_outputs, forward_on_input_data
 
     work = working_copy(model)
-    with torch.no_grad():
-        outputs = flatten_outputs(work(*args, **kwargs))[0]
+    outputs = flatten_outputs(forward_on_input_data(work, args, kwargs))[0]
     if output_names is not None and len(output_names) > len(outputs):
         raise ValueError(f"output_names has {len(output_names)} names but the model returns {len(outputs)} "
                          f"tensor(s): {list(output_names)[len(outputs):]} name nothing")
@@ -99,5 +91,4 @@ def explain_export_error(model: nn.Module, exc: Exception) -> ValueError:
     cls = _OP_MODULES.get(op)
     names = [n for n, mod in model.named_modules() if cls is not None and isinstance(mod, cls)]
     where = f" in module {names[0]!r} ({cls.__name__})" if names else ""
-    hint = f"; {_RISKY[cls]}" if cls in _RISKY else ""
-    return ValueError(f"save_*: ONNX export failed{where}: {first}{hint}")
+    return ValueError(f"save_*: ONNX export failed{where}: {first}")

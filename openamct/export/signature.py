@@ -77,9 +77,11 @@ class FlatIO(nn.Module):
         super().__init__()
         # Own state under one private name: every other name is free for the model's children
         # (LlamaForCausalLM has one called ``model``).
-        tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        object.__setattr__(self, "_flatio", (model, list(args), dict(kwargs), tensor_args, tensor_kwargs))
+        # Every tensor input, nested ones included (a forward taking ((a, b),)): a tensor left
+        # inside the held arguments would be baked into the file as a constant.
+        arg_slots = [(i, *path) for i, a in enumerate(args) for path in _tensor_paths(a)]
+        kw_slots = [(k, *path) for k, v in kwargs.items() for path in _tensor_paths(v)]
+        object.__setattr__(self, "_flatio", (model, list(args), dict(kwargs), arg_slots, kw_slots))
         for name, p in model._parameters.items():
             self.register_parameter(name, p)
         for name, b in model._buffers.items():
@@ -91,25 +93,69 @@ class FlatIO(nn.Module):
         model, args, kwargs, arg_slots, kw_slots = self._flatio
         args, kwargs = list(args), dict(kwargs)
         for slot, t in zip(arg_slots, flat):
-            args[slot] = t
-        for key, t in zip(kw_slots, flat[len(arg_slots):]):
-            kwargs[key] = t
+            args[slot[0]] = _put(args[slot[0]], slot[1:], t)
+        for slot, t in zip(kw_slots, flat[len(arg_slots):]):
+            kwargs[slot[0]] = _put(kwargs[slot[0]], slot[1:], t)
         tensors, _, _ = flatten_outputs(model(*args, **kwargs))
         return tuple(tensors)
 
 
+def _tensor_paths(obj, path: tuple = ()) -> list[tuple]:
+    """Where the tensors are inside one argument (tuples, lists, dicts), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [path]
+    if isinstance(obj, (tuple, list)):
+        return [p for i, v in enumerate(obj) for p in _tensor_paths(v, (*path, i))]
+    if isinstance(obj, Mapping):
+        return [p for k, v in obj.items() for p in _tensor_paths(v, (*path, k))]
+    return []
+
+
+def _get(obj, path: tuple):
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+def _put(obj, path: tuple, value):
+    """``obj`` with the item at ``path`` replaced, containers rebuilt (never edited in place)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, Mapping):
+        new = dict(obj)
+        new[head] = _put(obj[head], rest, value)
+        return new
+    items = list(obj)
+    items[head] = _put(obj[head], rest, value)
+    return type(obj)(items) if type(obj) in (tuple, list) else items
+
+
 def flat_inputs(flat: FlatIO) -> tuple[tuple, list[str]]:
-    """The tensors ``flat`` takes, in order, and their input names."""
+    """The tensors ``flat`` takes, in order, and their input names (a nested one's path joined
+    with '_': ``input_0_1``, ``pixel_values``, ``past_0``)."""
     _, args, kwargs, arg_slots, kw_slots = flat._flatio
-    tensors = [args[i] for i in arg_slots] + [kwargs[k] for k in kw_slots]
-    names = [f"input_{i}" for i in arg_slots] + list(kw_slots)
+    tensors = [_get(args[s[0]], s[1:]) for s in arg_slots] + [_get(kwargs[s[0]], s[1:]) for s in kw_slots]
+    names = (["_".join(["input", *map(str, s)]) for s in arg_slots]
+             + ["_".join(map(str, s)) for s in kw_slots])
     return tuple(tensors), names
+
+
+def forward_on_input_data(model: nn.Module, args: tuple, kwargs: dict):
+    """One no-grad forward of the model being saved on ``input_data``: a failure here is the
+    input's (a wrong shape or dtype), so it is named as such instead of torch's op error."""
+    try:
+        with torch.no_grad():
+            return model(*args, **kwargs)
+    except Exception as exc:  # whatever the model's ops raise for an input that does not fit
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"save_*: input_data does not fit the model: its forward failed "
+                         f"({type(exc).__name__}: {first}); pass a batch shaped like the training data") from None
 
 
 def export_signature(model: nn.Module, args: tuple, kwargs: dict):
     """(module to export, its args, its kwargs, input names, output names) for torch.onnx.export."""
-    with torch.no_grad():
-        out = model(*args, **kwargs)
+    out = forward_on_input_data(model, args, kwargs)
     tensors, out_names, dropped = flatten_outputs(out)
     direct = _positional_names(model, args, kwargs)
     if direct is not None and isinstance(out, (torch.Tensor, tuple, list)) and not dropped:

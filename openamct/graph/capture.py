@@ -229,6 +229,27 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forw
                "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
+def _shallow(v):
+    return type(v)(v)
+
+
+def _refill(obj, saved) -> None:
+    """Put ``saved``'s items back into ``obj`` (compared by identity: ``==`` on tensors is
+    elementwise)."""
+    if isinstance(obj, dict):
+        if obj.keys() == saved.keys() and all(obj[k] is saved[k] for k in obj):
+            return
+        obj.clear()
+        obj.update(saved)
+    elif isinstance(obj, list):
+        if len(obj) == len(saved) and all(a is b for a, b in zip(obj, saved)):
+            return
+        obj[:] = saved
+    else:
+        obj.clear()
+        obj.update(saved)
+
+
 @contextlib.contextmanager
 def _untouched(model: nn.Module):
     """Undo what one forward leaves on the modules: attributes it set or replaced (caches that
@@ -237,18 +258,23 @@ def _untouched(model: nn.Module):
     saved = []
     for m in model.modules():
         attrs = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules") + _HOOK_DICTS}
+        # Containers a forward may fill in place (a cache dict created in __init__): their
+        # contents, restored into the same object, which other code may also hold.
+        contents = {k: _shallow(v) for k, v in attrs.items() if type(v) in (dict, list, set)}
         buffers = {k: (b, None if b is None else b.detach().clone()) for k, b in m._buffers.items()}
         hooks = {k: dict(getattr(m, k)) for k in _HOOK_DICTS if hasattr(m, k)}
-        saved.append((m, attrs, dict(m._parameters), buffers, dict(m._modules), hooks))
+        saved.append((m, attrs, contents, dict(m._parameters), buffers, dict(m._modules), hooks))
     try:
         yield
     finally:
         with torch.no_grad():
-            for m, attrs, params, buffers, modules, hooks in saved:
+            for m, attrs, contents, params, buffers, modules, hooks in saved:
                 for k in [k for k in vars(m) if k not in attrs and k not in ("_parameters", "_buffers", "_modules")
                           and k not in _HOOK_DICTS]:
                     delattr(m, k)
                 m.__dict__.update(attrs)
+                for k, copy_ in contents.items():
+                    _refill(attrs[k], copy_)
                 m._parameters.clear()
                 m._parameters.update(params)
                 m._buffers.clear()

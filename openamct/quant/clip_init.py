@@ -6,8 +6,8 @@ one whose fake-quantized batch has the smallest MSE. At upstream's percentile on
 normal-sized batch (1e6 among N(0, 1) values) becomes the clip, and every ordinary value then
 quantizes to one level. openamct's percentile therefore ignores a handful of extreme values on
 each side at every batch size: the larger of upstream's share (1e-6 of the values) and
-min(8, n // 1024) values (none for tensors under 1024 values), and warns when what it ignored lies far outside
-the rest. Then it runs upstream's MSE search from there: it evaluates all
+min(8, n // 1024) values, and warns when what it ignored lies far outside the rest. Under
+1024 values it ignores up to n // 64 values on each side, and only those far beyond the rest. Then it runs upstream's MSE search from there: it evaluates all
 candidates at once (chunked, exact on the data, not on a histogram), scores them with the real
 INT8 quantizer (offset included) and, unless clip_min is fixed at 0, then searches clip_min the
 same way with the chosen clip_max (one coordinate-descent round). The search runs once per layer
@@ -36,6 +36,8 @@ _HANDFUL = 8  # extreme values ignored on each side (at most n // _PER of them)
 _PER = 1024  # one ignored value per this many: small tensors keep their true extremes
 _BLOCKS = 1024  # blocks whose maxima bound the top values from below (_extremes)
 _FAR = 4.0  # ignored values beyond _FAR x the kept extreme get a warning
+_SMALL_MIN = 64  # under 1024 values: one value in this many may be an isolated outlier
+_FAR_SMALL = 16.0  # ... when it lies this far beyond the rest (a Gaussian's 9th largest of 768 is 2.4 sigma)
 _WS = Workspace()  # the search's chunk buffer and subsample (at most 5 MB per thread)
 _RATIOS = (0.7, 1.3, 61)  # start, end, count: 0.01 steps, both ends included
 _CHUNK_ELEMS = 1 << 20  # candidates x values per chunk: 4 MB of float32 stays in cache across the eight passes (6x faster than 16 MB, measured)
@@ -75,11 +77,33 @@ def percentile_max_min(x: Tensor, max_percentile: float = _PERCENTILE,
         raise ValueError("percentile_max_min: empty tensor")
     k_max = min(n, ignored_count(n, max_percentile) + 1)
     k_min = min(n, ignored_count(n, min_percentile) + 1)
+    if k_max == k_min == 1 and n >= _SMALL_MIN:
+        return _small_max_min(flat)
     top = _extremes(flat, k_max, largest=True)
     bottom = _extremes(flat, k_min, largest=False)
     hi, lo = float(top[-1]), float(bottom[-1])
     far_hi = int((top[:-1] > _FAR * max(abs(hi), abs(lo), 1e-12)).sum())
     far_lo = int((bottom[:-1] < -_FAR * max(abs(hi), abs(lo), 1e-12)).sum())
+    if far_hi or far_lo:
+        logger.warning("activation clip init: %d of %d values lie far outside the rest (%.6g .. %.6g, the "
+                       "rest within [%.6g, %.6g]); treated as outliers and ignored for the clip range",
+                       far_hi + far_lo, n, float(bottom[0]), float(top[0]), lo, hi)
+    return max(hi, 0.0), min(lo, 0.0)
+
+
+def _small_max_min(flat: Tensor) -> tuple[float, float]:
+    """The extremes of a tensor too small for the fixed handful (under 1024 values: a small
+    first batch, a tabular model's input): up to n // 64 of the most extreme values on each side
+    are ignored only when they lie far (``_FAR_SMALL`` x) beyond the rest's extreme, so an
+    isolated outlier is dropped at any size while ordinary data keeps its true extremes."""
+    n = flat.numel()
+    k = min(_HANDFUL, n // _SMALL_MIN)
+    top = torch.topk(flat, k + 1).values
+    bottom = torch.topk(flat, k + 1, largest=False).values
+    ref = max(abs(float(top[k])), abs(float(bottom[k])))
+    far_hi = int((top[:k] > _FAR_SMALL * ref).sum()) if ref > 0 else 0
+    far_lo = int((bottom[:k] < -_FAR_SMALL * ref).sum()) if ref > 0 else 0
+    hi, lo = float(top[far_hi]), float(bottom[far_lo])
     if far_hi or far_lo:
         logger.warning("activation clip init: %d of %d values lie far outside the rest (%.6g .. %.6g, the "
                        "rest within [%.6g, %.6g]); treated as outliers and ignored for the clip range",

@@ -122,3 +122,33 @@ def test_outlier_channels_at_odd_indices_widen_the_searched_clip():
     # Left out of the sample, the outliers would not count and the search would take the
     # tightest candidate (0.7 x the range), clipping all 16 channels.
     assert best_max > 0.9 * hi and best_min < 0.9 * lo
+
+
+def test_one_outlier_in_a_small_first_batch_does_not_wreck_conv1(tmp_path, caplog):
+    """768 values (4x3x8x8): too few for the fixed handful, yet the outlier is isolated."""
+    cfg = tmp_path / "q.cfg"
+    cfg.write_text(CFG)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    m = amct.create_quant_retrain_model(str(cfg), model, str(tmp_path / "r.txt"), torch.randn(4, 3, 8, 8))
+    first = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    first[1, 2, 3, 4] = 1e6
+    m.train()
+    with caplog.at_level(logging.WARNING, logger="openamct.quant.clip_init"):
+        m(first)
+    aq = m[0].act_quant
+    assert 1.0 < aq.clip_max.item() < 6.0, aq.clip_max.item()  # was 1.25e6
+    assert "1 of 768 values lie far outside the rest" in caplog.text
+    normal = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    assert aq(normal).unique().numel() >= 100  # was a single level
+
+
+@pytest.mark.parametrize("n", [64, 200, 768, 1023])
+def test_small_tensors_keep_their_extremes_unless_one_is_isolated(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    assert clip_init.percentile_max_min(x) == (max(float(x.max()), 0.0), min(float(x.min()), 0.0))
+    sparse = torch.zeros(n)
+    sparse[:3] = torch.tensor([1.0, 0.8, 0.5])  # a sparse ReLU output: its few values are the signal
+    assert clip_init.percentile_max_min(sparse) == (1.0, 0.0)
+    x[n // 2] = 1e6
+    hi, _ = clip_init.percentile_max_min(x)
+    assert hi < 5.0, hi

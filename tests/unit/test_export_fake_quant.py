@@ -176,7 +176,7 @@ def test_failed_export_keeps_previous_files_and_leaves_no_temp_files(tmp_path):
     export_pair(c, fake, deploy, x)
     old = (open(fake, "rb").read(), open(deploy, "rb").read())
     listing = sorted(os.listdir(tmp_path))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="input_data does not fit the model"):
         export_pair(c, fake, deploy, torch.randn(1, 5, 16, 16))  # wrong channel count
     assert (open(fake, "rb").read(), open(deploy, "rb").read()) == old
     assert sorted(os.listdir(tmp_path)) == listing
