@@ -9,6 +9,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 COMPAT = os.path.join(ROOT, "tests", "fixtures", "amct-compat")
+# Folders whose every test is in the slow tier (`make test` runs them, `make test-fast` does not):
+# acceptance trains real models to an accuracy bound, e2e runs whole scripts in subprocesses.
+# Slow files elsewhere (fuzzing, subprocess workers, the zoo) carry `pytestmark = pytest.mark.slow`.
+SLOW_FOLDERS = ("acceptance", "e2e")
 
 
 def compat_config(name: str) -> str:
@@ -21,6 +25,16 @@ def checkout_env(**extra: str) -> dict[str, str]:
     virtualenv has installed, which may be another checkout (a git worktree sharing the venv)."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of SLOW_FOLDERS slow, before ``-m`` selects on the marks."""
+    tests = os.path.join(ROOT, "tests")
+    for item in items:
+        rel = os.path.relpath(str(item.path), tests)
+        if rel.split(os.sep, 1)[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

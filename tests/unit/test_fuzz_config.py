@@ -36,7 +36,7 @@ CONFIGS = sorted(glob.glob(os.path.join(COMPAT, "configs", "*.cfg")))
 TEXTS = [open(p, encoding="utf-8").read() for p in CONFIGS]
 APIS = ("prune", "compressed", "quant")
 HANG_S = 10.0  # one example taking this long is a hang, not a slow case
-pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")]
 
 FUZZ = settings(derandomize=True, deadline=2000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -29,7 +29,7 @@ from tests.conftest import COMPAT
 from tests.hang import no_hang
 from tests.record_models import EltwiseConv, NetTrainBranch, SingleConv, SplitConcatConv
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")]
 
 FUZZ = settings(derandomize=True, deadline=2000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

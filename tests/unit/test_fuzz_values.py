@@ -17,6 +17,8 @@ from openamct.record.file_io import read_record, record_to_text
 from tests.hang import no_hang
 from tests.trained_record import Net, X, compress_and_train
 
+pytestmark = pytest.mark.slow
+
 FUZZ = settings(derandomize=True, deadline=5000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @pytest.fixture(scope="module")

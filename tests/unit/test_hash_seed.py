@@ -20,6 +20,7 @@ WORKER = os.path.join(ROOT, "tests", "unit", "_hash_seed_worker.py")
 SEEDS = ("1", "2")
 CREATED = ["record.txt", "m_fake_quant_model.onnx", "m_deploy_model.onnx"]
 RESTORED = ["restored_record.txt", "r_fake_quant_model.onnx", "r_deploy_model.onnx"]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Issue 16, points 1, 2 and 11: a call never overwrites one of its own inputs nor a file that is
+"""A call never overwrites one of its own inputs nor a file that is
 not a previous output of the same kind, and bad output paths are refused before any work."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import openamct as amct
+from openamct.record.file_io import read_record
 
 QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n"
@@ -71,9 +72,15 @@ def test_record_file_naming_a_checkpoint_is_refused_at_create_and_restore(tmp_pa
 
 
 def test_an_existing_record_is_overwritten_as_before(tmp_path):
-    cfg, rec = _cfg(tmp_path), str(tmp_path / "rec.txt")
+    _, cfg, rec, _ = _trained(tmp_path)  # a previous record with trained clips and masks
+    trained = read_record(rec)
+    assert trained.record and trained.prune_record[0].selective_prune.attr
+    fresh = str(tmp_path / "fresh.txt")
+    amct.create_compressed_retrain_model(Counted(), X, cfg, fresh)
     amct.create_compressed_retrain_model(Counted(), X, cfg, rec)
-    amct.create_compressed_retrain_model(Counted(), X, cfg, rec)  # a previous record: fine
+    # the old record is replaced by what a create writes, nothing of the trained one is kept
+    assert open(rec).read() == open(fresh).read()
+    assert read_record(rec) != trained
 
 
 def test_create_quant_retrain_config_never_replaces_a_retrain_cfg(tmp_path):

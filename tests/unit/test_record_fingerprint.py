@@ -1,4 +1,4 @@
-"""Issue 16, point 8: a record remembers which model it describes; restore refuses another
+"""A record remembers which model it describes; restore refuses another
 model's record naming the first difference, and upstream records (no fingerprint) still work."""
 
 from __future__ import annotations
@@ -52,8 +52,26 @@ def test_another_models_record_is_refused_naming_the_first_difference(tmp_path, 
         amct.restore_prune_retrain_model(other(), X, rec, cfg, pth, "sd")
 
 
-def test_a_record_without_fingerprint_is_accepted(tmp_path):
+def test_a_record_without_fingerprint_is_accepted_left_as_is_and_fingerprinted_at_the_next_write(tmp_path):
     cfg, rec, pth = _setup(tmp_path)
+    fingerprinted = open(rec).read()
     bare = tmp_path / "bare.txt"
-    bare.write_text("".join(ln for ln in open(rec).readlines() if not ln.startswith("#")))
-    amct.restore_prune_retrain_model(Net(), X, str(bare), cfg, pth, "sd")
+    bare.write_text("".join(ln for ln in fingerprinted.splitlines(keepends=True) if not ln.startswith("#")))
+    upstream_text = bare.read_text()
+    assert "# openamct" not in upstream_text
+
+    restored = amct.restore_prune_retrain_model(Net(), X, str(bare), cfg, pth, "sd")
+    # restore only reads the record: the user's upstream-style file is not rewritten
+    assert bare.read_text() == upstream_text
+    reference = amct.restore_prune_retrain_model(Net(), X, rec, cfg, pth, "sd")
+    restored.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(restored(X), reference(X))
+    assert torch.equal(restored.state_dict()["conv.sparsity.mask_bits"],
+                       torch.load(pth)["sd"]["conv.sparsity.mask_bits"])
+
+    # the restored model's next record write adds the fingerprint of the model it was given:
+    # the same header create wrote, above the same entries
+    amct.save_prune_retrain_model(restored, str(tmp_path / "out"), X)
+    assert bare.read_text() == fingerprinted

@@ -1,9 +1,10 @@
-"""Issue 16, points 7 and 14 (0-byte record): a record's values are checked where they are read;
+"""A record's values are checked where they are read;
 each bad one is a ValueError naming the record file, the entry, the layer and the field."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import openamct as amct
 from openamct.record.file_io import read_record, record_to_text
@@ -70,7 +71,19 @@ def test_bad_record_values_are_refused_naming_file_layer_and_field(trained, case
 
 def test_the_unedited_record_restores(trained):
     d, record = trained
-    _restore(d, record)
+    restored = _restore(d, record)
+    saved = torch.load(d / "ck.pth")["sd"]
+    assert set(restored.state_dict()) == set(saved)
+    for key, value in restored.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    # the record's clips are the trained ones: a further training batch does not re-initialise them
+    clips = {k: v.clone() for k, v in restored.state_dict().items() if k.endswith(("clip_max", "clip_min"))}
+    assert clips and all(bool(v) for k, v in restored.state_dict().items() if k.endswith("act_quant.initialized"))
+    restored.train()
+    with torch.no_grad():
+        restored(torch.randn(2, 4, 6, 6) * 10)
+    for key, value in clips.items():
+        assert torch.equal(restored.state_dict()[key], value), key
 
 
 @pytest.mark.parametrize("text", ["", "\n  \n"])
