@@ -134,7 +134,7 @@ def create_quant_retrain_config(config_file, model, input_data, config_definatio
     model = _check_common(model, input_data, config_defination=config_defination)
     check_output("config_file", config_file, "quant_json", {"config_defination": config_defination})
     analysis = pipeline.analyse(pipeline.deep_copy(model), input_data, config_defination, "quant")
-    write_quant_json(config_file, analysis.plan)
+    write_quant_json(config_file, analysis.plan, analysis.techniques)
 
 
 def create_quant_retrain_model(config_file, model, record_file, input_data):

@@ -1,9 +1,12 @@
-"""The one table of the layer types openamct compresses and what each technique may do to them.
+"""The one table of the layer types openamct compresses and their geometry.
 
 Configs name layer types by their torch class name ("Conv2d"); a subclass counts as its base
-(MultiheadAttention's out_proj is a Linear). Everything that asks "is this layer supported for
-X" reads this table: config validation, the per-layer plan, graph layer discovery, the
-compressed layer, 2:4 masks and channel-dependency analysis.
+(MultiheadAttention's out_proj is a Linear). Graph layer discovery, the compressed layer, 2:4
+masks and channel-dependency analysis read the geometry here (op_type, spatial, transposed,
+axes). Which layers a technique may touch is the technique's own declaration
+(``Technique.layer_types`` / ``eligible``); the ``nm`` and ``filter`` columns remain for the
+2:4 kernels (``prune/nm.py``) and the channel-dependency analysis (``prune/dependency.py``),
+which the 2:4 and filter-pruning techniques check against (tests/unit/test_technique_protocol.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ class LayerType:
     op_type: str  # the ONNX op it exports as (record files name members by it)
     spatial: int  # 0 for Linear
     transposed: bool  # weight [Cin, Cout/groups, ...] instead of [Cout, Cin/groups, ...]
-    quant: bool  # INT8 QAT
     nm: bool  # 2:4 sparsity
     filter: str  # "active": pruned on its own; "consumer": follows its input only; "": neither
 
@@ -47,19 +49,18 @@ class LayerType:
 
 
 LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
-    LayerType("Conv1d", nn.Conv1d, "Conv", 1, False, quant=True, nm=False, filter="consumer"),
-    LayerType("Conv2d", nn.Conv2d, "Conv", 2, False, quant=True, nm=True, filter="active"),
-    LayerType("Conv3d", nn.Conv3d, "Conv", 3, False, quant=True, nm=False, filter=""),
-    LayerType("ConvTranspose1d", nn.ConvTranspose1d, "ConvTranspose", 1, True, quant=True, nm=False,
+    LayerType("Conv1d", nn.Conv1d, "Conv", 1, False, nm=False, filter="consumer"),
+    LayerType("Conv2d", nn.Conv2d, "Conv", 2, False, nm=True, filter="active"),
+    LayerType("Conv3d", nn.Conv3d, "Conv", 3, False, nm=False, filter=""),
+    LayerType("ConvTranspose1d", nn.ConvTranspose1d, "ConvTranspose", 1, True, nm=False,
               filter="consumer"),
-    LayerType("ConvTranspose2d", nn.ConvTranspose2d, "ConvTranspose", 2, True, quant=True, nm=True,
+    LayerType("ConvTranspose2d", nn.ConvTranspose2d, "ConvTranspose", 2, True, nm=True,
               filter="consumer"),
-    LayerType("Linear", nn.Linear, "Gemm", 0, False, quant=True, nm=True, filter="active"),
+    LayerType("Linear", nn.Linear, "Gemm", 0, False, nm=True, filter="active"),
     # Hugging Face's GPT-2 style projection: a Linear whose weight is stored [in, out].
-    LayerType("Conv1D", None, "Gemm", 0, True, quant=True, nm=True, filter="active", package="transformers"),
+    LayerType("Conv1D", None, "Gemm", 0, True, nm=True, filter="active", package="transformers"),
 )}
 
-QUANT_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.quant)
 NM_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.nm)
 FILTER_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.filter == "active")
 ALL_TYPES = tuple(LAYER_TYPES)

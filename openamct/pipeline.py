@@ -1,7 +1,8 @@
 """config + model -> captured graph -> per-layer plan -> techniques applied -> record written.
 
 restore replays the record instead of re-deciding; save folds everything and writes ONNX.
-Every technique goes through the same verbs (``openamct.techniques.base``), in registry order.
+Every technique goes through the same verbs (``openamct.techniques.base``), in the order their
+``after`` declarations give (``openamct.techniques.order``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
 from openamct.record.keeper import RecordKeeper
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
-from openamct.techniques import TECHNIQUES, Context, Technique
+from openamct.techniques import TECHNIQUES, Context, Technique, ordered
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +46,19 @@ class Analysis:
     graph: Graph
     layers: dict[str, LayerInfo]
     plan: Plan
+    techniques: tuple[Technique, ...] = TECHNIQUES  # the registry whose config slices made the plan
 
 
 def analyse(model: nn.Module, input_data: Any, config: str | None, api: str,
-            config_arg: str = "config_defination") -> Analysis:
+            config_arg: str = "config_defination", techniques: Sequence[Technique] = TECHNIQUES) -> Analysis:
     """Capture + plan on ``model`` itself (callers pass a copy when they will edit it)."""
+    techniques = ordered(techniques)
     evaluate_parametrizations(model)
     graph = capture_graph(model, input_data)
     layers = find_layers(model, graph)
     modules = {n: type(m).__name__ for n, m in model.named_modules()}
-    return Analysis(graph, layers, load_plan(config, layers, api, modules, config_arg))
+    plan = load_plan(config, layers, api, modules, config_arg, techniques=techniques)
+    return Analysis(graph, layers, plan, techniques)
 
 
 def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api: str, restoring: bool,
@@ -62,6 +66,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     if is_compressed(model):
         raise ValueError("model already contains openamct modules: pass the original (uncompressed) model; "
                          "to resume training use restore_* with the original model")
+    techniques = ordered(techniques)  # before any work: a cycle or unknown name is refused here
     if restoring:
         record = read_record(record_file)
         _check_owned(record, techniques)
@@ -74,7 +79,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
 
     check_modules(model, "create")
     work = deep_copy(model)
-    a = analyse(work, input_data, config, api, config_arg)
+    a = analyse(work, input_data, config, api, config_arg, techniques)
     header = fingerprint_header(a.layers)  # of the original model: before any technique edits it
     if restoring:
         with open(record_file, encoding="utf-8") as f:

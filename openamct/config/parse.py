@@ -1,4 +1,7 @@
-"""Read a retrain config (.cfg, protobuf text format) into an AMCTRetrainConfig message."""
+"""Read a retrain config (.cfg, protobuf text format) into an AMCTRetrainConfig message.
+
+The first step of the config path (parse -> validate -> plan): text in, message out, with the
+repeat check (``repeats``) and protobuf's required fields; nothing here knows the model."""
 
 from __future__ import annotations
 
@@ -7,24 +10,11 @@ import re
 
 from google.protobuf import text_format
 
+from openamct.config.errors import ConfigError, locate
+from openamct.config.repeats import check_repeats
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
 
-
-class ConfigError(ValueError):
-    """A config problem; the message names the file, line:column where known, and the field."""
-
-
-def locate(text: str, field: str, value: str | None = None) -> str:
-    """'line L:C' of the first occurrence of ``field`` (optionally followed by ``value``)."""
-    pattern = r"\b" + re.escape(field) + r"\b"
-    if value is not None:
-        pattern += r"\s*:?\s*\"?" + re.escape(value)
-    m = re.search(pattern, text)
-    if m is None:
-        return ""
-    line = text.count("\n", 0, m.start()) + 1
-    col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
-    return f"line {line}:{col}: "
+__all__ = ["ConfigError", "load_config", "locate", "parse_config_bytes", "parse_config_text", "read_config_file"]
 
 
 def read_config_file(path: str, arg: str) -> bytes:
@@ -67,8 +57,6 @@ def parse_config_text(text: str, where: str = "config") -> AMCTRetrainConfig:
         raise ConfigError(f"{where}: line {detail}") from None
     except (ValueError, OverflowError, RecursionError) as exc:
         raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from None
-    from openamct.config.repeats import check_repeats  # (imports this module's ConfigError)
-
     check_repeats(text, msg.DESCRIPTOR, where)
     missing = msg.FindInitializationErrors()
     if missing:

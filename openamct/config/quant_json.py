@@ -11,27 +11,29 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from openamct._atomic import atomic_write_bytes
-from openamct.config.parse import ConfigError
+from openamct.config.errors import ConfigError
+from openamct.config.rules import QUANT
 from openamct.config.specs import ActSpec, LayerPlan, Plan, QuantSpec, WtsSpec
 from openamct.graph.layers import LayerInfo
-from openamct.layer_types import QUANT_TYPES
 
 
 def is_json(raw: bytes) -> bool:
     return raw.lstrip().startswith(b"{")
 
 
-def plan_to_json(plan: Plan) -> dict:
+def plan_to_json(plan: Plan, technique: str, types: tuple[str, ...]) -> dict:
+    """The JSON of ``plan``'s ``technique`` slices (QuantSpec) for the layers of ``types``."""
     data: dict = {"version": 1, "batch_num": plan.batch_num}
     for name, lp in plan.layers.items():
-        if lp.type not in QUANT_TYPES:
+        if lp.type not in types:
             continue
-        entry: dict = {"retrain_enable": lp.quant is not None}
-        if lp.quant is not None:
-            a, w = lp.quant.act, lp.quant.wts
+        spec = lp.specs.get(technique)
+        entry: dict = {"retrain_enable": spec is not None}
+        if spec is not None:
+            a, w = spec.act, spec.wts
             d = {"algo": "ulq_quantize", "dst_type": a.dst_type}
             if a.clip_max is not None:
                 d.update(clip_max=a.clip_max, clip_min=a.clip_min)
@@ -44,8 +46,18 @@ def plan_to_json(plan: Plan) -> dict:
     return data
 
 
-def write_quant_json(path: str, plan: Plan) -> None:
-    atomic_write_bytes(path, (json.dumps(plan_to_json(plan), indent=2) + "\n").encode("utf-8"))
+def quant_slice(techniques: Sequence) -> tuple[str, tuple[str, ...]]:
+    """(name, eligible layer types) of the quantization technique of a registry: the JSON config
+    is that technique's slice, and the only one it has."""
+    quant = next((t for t in techniques if t.family is QUANT), None)
+    if quant is None:
+        raise ValueError("the techniques in use have no quantization technique: a QAT JSON config needs one")
+    return quant.name, tuple(quant.layer_types)
+
+
+def write_quant_json(path: str, plan: Plan, techniques: Sequence) -> None:
+    text = json.dumps(plan_to_json(plan, *quant_slice(techniques)), indent=2) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _field(obj: Mapping, key: str, types, where: str, default=None, required=False):
@@ -101,7 +113,10 @@ def _check_keys(entry: dict, name: str, text: str, src: str) -> None:
                                   f"(allowed: {', '.join(allowed)})")
 
 
-def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str) -> Plan:
+def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str, technique: str,
+                   types: tuple[str, ...]) -> Plan:
+    """The plan of a JSON config: ``technique`` (the quantization technique's name) gets a
+    QuantSpec for each enabled layer of ``types`` (its eligible layer types)."""
     try:
         data = json.loads(raw, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as dup:
@@ -123,7 +138,7 @@ def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str) -> Pla
         where = f"{src}: layer {name!r}"
         if name not in layers:
             raise ConfigError(f"{where} does not exist in the model (or is not a supported layer)")
-        if layers[name].type not in QUANT_TYPES:
+        if layers[name].type not in types:
             raise ConfigError(f"{where} is a {layers[name].type}, which is not quantizable")
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: must be an object")
@@ -147,7 +162,7 @@ def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str) -> Pla
                       fixed_min=_field(d, "fixed_min", bool, where))
         wts = WtsSpec(algo="ulq" if w.get("algo") == "ulq_retrain" else "arq",
                       channel_wise=_field(w, "channel_wise", bool, where, default=layers[name].type != "Linear"))
-        plan_layers[name].quant = QuantSpec(act, wts)
+        plan_layers[name].specs[technique] = QuantSpec(act, wts)
     plan = Plan(plan_layers, batch_num)
     if plan.is_empty():
         raise ConfigError(f"{src}: nothing to do: no layer has retrain_enable true")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from google.protobuf import text_format
 
-from openamct.config.parse import ConfigError
+from openamct.config.errors import ConfigError
 
 _ENDS = {"{": "}", "<": ">"}
 

@@ -1,8 +1,12 @@
-"""What the plan says for one layer: plain frozen values, no protobuf objects."""
+"""What the plan says for one layer: plain frozen values, no protobuf objects.
+
+``LayerPlan.specs`` maps a technique's name to its slice; the slice types of the built-in
+techniques are the frozen dataclasses below (a new technique may bring its own)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,19 +48,33 @@ class NMSpec:
 
 @dataclass
 class LayerPlan:
+    """One layer's plan: each technique's slice of the config for it, keyed by technique name
+    (what its ``layer_spec`` returned; a technique the config does not select it for has no key),
+    and notes on why something was not planned (``openamct inspect`` shows them)."""
+
     name: str
     type: str
-    quant: QuantSpec | None = None
-    prune: FilterSpec | NMSpec | None = None
+    specs: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+    # Shorthands for the built-in techniques' slices, for readers outside the technique loop
+    # (``openamct inspect``, the channel search, tests). The pipeline, the plan resolution, the
+    # record keeper and the export read ``specs`` through the techniques only.
+    @property
+    def quant(self) -> QuantSpec | None:
+        return self.specs.get("quant")
 
     @property
     def filter(self) -> FilterSpec | None:
-        return self.prune if isinstance(self.prune, FilterSpec) else None
+        return self.specs.get("filter_prune")
 
     @property
     def nm(self) -> NMSpec | None:
-        return self.prune if isinstance(self.prune, NMSpec) else None
+        return self.specs.get("2:4")
+
+    @property
+    def prune(self) -> FilterSpec | NMSpec | None:
+        return self.filter or self.nm
 
 
 @dataclass
@@ -64,14 +82,19 @@ class Plan:
     layers: dict[str, LayerPlan]
     batch_num: int = 1
 
-    def quantized(self) -> list[LayerPlan]:
-        return [lp for lp in self.layers.values() if lp.quant is not None]
-
-    def filter_pruned(self) -> list[LayerPlan]:
-        return [lp for lp in self.layers.values() if lp.filter is not None]
-
-    def nm_pruned(self) -> list[LayerPlan]:
-        return [lp for lp in self.layers.values() if lp.nm is not None]
+    def selected(self, technique: str) -> list[LayerPlan]:
+        """The layers whose plan has a slice for ``technique`` (by its name), in layer order."""
+        return [lp for lp in self.layers.values() if technique in lp.specs]
 
     def is_empty(self) -> bool:
-        return not any(lp.quant or lp.prune for lp in self.layers.values())
+        return not any(lp.specs for lp in self.layers.values())
+
+    # Shorthands for the built-in techniques (see LayerPlan).
+    def quantized(self) -> list[LayerPlan]:
+        return self.selected("quant")
+
+    def filter_pruned(self) -> list[LayerPlan]:
+        return self.selected("filter_prune")
+
+    def nm_pruned(self) -> list[LayerPlan]:
+        return self.selected("2:4")

@@ -1,43 +1,28 @@
-"""Model-independent rules on field values (SPEC §2 'Validation')."""
+"""The second step of the config path (parse -> validate -> plan): refuse a config before any
+layer is planned.
+
+``validate_fields`` checks values that need no model: the shared ones here (batch_num, an
+override given twice), each technique's own fields in its ``validate_block``. ``validate_for_model``
+checks the names and types against the model's layers (eligibility: the techniques' own
+``layer_types``) and which rule families the public API allows. Nothing here plans a layer.
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+import difflib
+import logging
+from collections.abc import Mapping, Sequence
 
-from openamct.config.parse import ConfigError, locate
-from openamct.config.retrain_config_pb2 import AMCTRetrainConfig, DataType
+from openamct.config.errors import ConfigError, locate
+from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
+from openamct.config.rules import FAMILIES, PRUNE, QUANT, blocks, config_order, uses
+from openamct.graph.layers import LayerInfo
+from openamct.layer_types import ALL_TYPES
 
-_DTYPE = {v: k for k, v in DataType.items()}
-
-
-def blocks(cfg: AMCTRetrainConfig) -> Iterator[tuple[str, object]]:
-    """(label, message) for the global config and each override, for messages."""
-    yield "global", cfg
-    for o in cfg.override_layer_configs:
-        yield f"override_layer_configs[layer_name={o.layer_name!r}]", o
-    for o in cfg.override_layer_types:
-        yield f"override_layer_types[layer_type={o.layer_type!r}]", o
+logger = logging.getLogger(__name__)
 
 
-def has_quant(cfg: AMCTRetrainConfig) -> bool:
-    return any(b.HasField("retrain_data_quant_config") or b.HasField("retrain_weight_quant_config")
-               for _, b in blocks(cfg))
-
-
-def has_prune(cfg: AMCTRetrainConfig) -> bool:
-    return any(b.HasField("prune_config") for _, b in blocks(cfg))
-
-
-def _check_dtype(value: int, field: str, where: str, text: str, src: str) -> None:
-    name = _DTYPE.get(value, str(value))
-    if name == "INT4":
-        raise ConfigError(f"{src}: {locate(text, 'dst_type', 'INT4')}{where}.{field}: INT4 quantization-aware training is not supported; use INT8")
-    if name != "INT8":
-        raise ConfigError(f"{src}: {locate(text, 'dst_type', name)}{where}.{field}: only INT8 is supported, got {name}")
-
-
-def validate_fields(cfg: AMCTRetrainConfig, text: str = "", src: str = "config") -> None:
+def validate_fields(cfg: AMCTRetrainConfig, techniques: Sequence, text: str = "", src: str = "config") -> None:
     """Raise ConfigError for the first out-of-range or incomplete field."""
     if cfg.batch_num < 1:
         raise ConfigError(f"{src}: {locate(text, 'batch_num')}batch_num must be >= 1, got {cfg.batch_num}")
@@ -46,37 +31,77 @@ def validate_fields(cfg: AMCTRetrainConfig, text: str = "", src: str = "config")
         twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
         if twice is not None:
             raise ConfigError(f"{src}: {field}: {what} {twice!r} is overridden twice; merge the two blocks into one")
+    slices = config_order(techniques)
     for where, b in blocks(cfg):
-        if b.HasField("retrain_data_quant_config"):
-            d = b.retrain_data_quant_config
-            if d.HasField("ulq_quantize"):
-                u = d.ulq_quantize
-                _check_dtype(u.dst_type, "retrain_data_quant_config.ulq_quantize.dst_type", where, text, src)
-                if u.HasField("clip_max_min"):
-                    cmax, cmin = u.clip_max_min.clip_max, u.clip_max_min.clip_min
-                    if not (math.isfinite(cmax) and cmax > 0):
-                        raise ConfigError(f"{src}: {locate(text, 'clip_max')}{where}: clip_max must be a finite number > 0, got {cmax}")
-                    if not (math.isfinite(cmin) and cmin < 0):
-                        raise ConfigError(f"{src}: {locate(text, 'clip_min')}{where}: clip_min must be a finite number < 0, got {cmin}")
-        if b.HasField("retrain_weight_quant_config"):
-            w = b.retrain_weight_quant_config
-            algo = w.WhichOneof("wts_algo")
-            if algo is not None:
-                _check_dtype(getattr(w, algo).dst_type, f"retrain_weight_quant_config.{algo}.dst_type", where, text, src)
-        if b.HasField("prune_config"):
-            p = b.prune_config
-            kind = p.WhichOneof("prune_algo")
-            if kind is None:
-                raise ConfigError(f"{src}: {locate(text, 'prune_config')}{where}.prune_config is empty: "
-                                  "give filter_pruner or n_out_of_m_pruner")
-            if kind == "filter_pruner":
-                if p.filter_pruner.WhichOneof("filter_algo") is None:
-                    raise ConfigError(f"{src}: {locate(text, 'filter_pruner')}{where}.prune_config.filter_pruner is empty: "
-                                      "give balanced_l2_norm_filter_prune { prune_ratio: ... }")
-                r = p.filter_pruner.balanced_l2_norm_filter_prune.prune_ratio
-                if not (0.0 < r < 1.0):  # also rejects NaN
-                    raise ConfigError(f"{src}: {locate(text, 'prune_ratio')}{where}: prune_ratio must be in (0, 1), got {r}")
-            else:
-                if p.n_out_of_m_pruner.WhichOneof("n_out_of_m_algo") is None:
-                    raise ConfigError(f"{src}: {locate(text, 'n_out_of_m_pruner')}{where}.prune_config.n_out_of_m_pruner is empty: "
-                                      "give l1_selective_prune { n_out_of_m_type: M4N2 }")
+        for t in slices:
+            t.validate_block(b, where, text, src)
+
+
+def _union(techniques: Sequence) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(n for t in techniques for n in t.layer_types))
+
+
+def _check_types(cfg: AMCTRetrainConfig, techniques: Sequence, text: str, src: str) -> None:
+    slices = config_order(techniques)
+    lists = [("skip_layer_types", cfg.skip_layer_types, ALL_TYPES)]
+    for family in FAMILIES:
+        members = [t for t in slices if t.family is family]
+        lists += [(f, getattr(cfg, f), _union(members)) for f in family.skip_types if f != "skip_layer_types"]
+    for o in cfg.override_layer_types:
+        configured = [t for t in slices if t.configured_by(o)]
+        allowed = configured[0].layer_types if len(configured) == 1 else _union(configured) or ALL_TYPES
+        if len({t.family for t in configured}) > 1:  # a block for both families: any supported type
+            allowed = ALL_TYPES
+        lists.append(("override_layer_types.layer_type", [o.layer_type], allowed))
+    for field, types, allowed in lists:
+        for t in types:
+            if t not in allowed:
+                at = locate(text, field.split(".")[-1], t)
+                raise ConfigError(f"{src}: {at}{field}: {t!r} is not a supported layer type here; "
+                                  f"use one of {', '.join(allowed)} (torch class names)")
+
+
+def _check_names(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], modules: Mapping[str, str],
+                 text: str, src: str) -> None:
+    lists = [("skip_layers", cfg.skip_layers), ("quant_skip_layers", cfg.quant_skip_layers),
+             ("regular_prune_skip_layers", cfg.regular_prune_skip_layers),
+             ("override_layer_configs.layer_name", [o.layer_name for o in cfg.override_layer_configs])]
+    for field, names in lists:
+        for name in names:
+            if name in layers:
+                if layers[name].excluded:
+                    logger.warning("%s: %s names %r, which is left uncompressed: %s", src, field, name, layers[name].excluded)
+                continue
+            at = locate(text, field.split(".")[-1], name)
+            if name in modules:
+                raise ConfigError(f"{src}: {at}{field}: layer {name!r} is a {modules[name]}, not a supported "
+                                  f"layer ({', '.join(ALL_TYPES)})")
+            hint = difflib.get_close_matches(name, list(layers), n=3)
+            hint_s = f"; did you mean {', '.join(map(repr, hint))}?" if hint else ""
+            raise ConfigError(f"{src}: {at}{field}: layer {name!r} does not exist in the model{hint_s}")
+
+
+def _check_api(cfg: AMCTRetrainConfig, api: str, text: str, src: str) -> None:
+    has_quant, has_prune = uses(cfg, QUANT), uses(cfg, PRUNE)
+    if api == "prune" and has_quant:
+        at = locate(text, "retrain_data_quant_config") or locate(text, "retrain_weight_quant_config")
+        raise ConfigError(f"{src}: {at}quantization fields in a prune-only config: the prune API "
+                          "(create/restore_prune_retrain_model) only prunes; use "
+                          "create_compressed_retrain_model for pruning + quantization")
+    if api == "quant" and (has_prune or cfg.regular_prune_skip_layers or cfg.regular_prune_skip_types):
+        at = locate(text, "prune_config") or locate(text, "regular_prune_skip")
+        raise ConfigError(f"{src}: {at}pruning fields in a quantization-only config: the quant API only "
+                          "quantizes; use create_compressed_retrain_model for pruning + quantization")
+    if api == "prune" and not has_prune:
+        raise ConfigError(f"{src}: nothing to do: the config has no prune_config (global or override)")
+    if api == "compressed" and not (has_prune or has_quant):
+        raise ConfigError(f"{src}: nothing to do: the config enables neither quantization "
+                          "(retrain_data_quant_config / retrain_weight_quant_config) nor pruning (prune_config)")
+
+
+def validate_for_model(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], modules: Mapping[str, str],
+                       api: str, techniques: Sequence, text: str = "", src: str = "config") -> None:
+    """Raise ConfigError for a type, layer name or rule family this model or API does not allow."""
+    _check_types(cfg, techniques, text, src)
+    _check_names(cfg, layers, modules, text, src)
+    _check_api(cfg, api, text, src)

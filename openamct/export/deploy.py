@@ -42,7 +42,6 @@ import onnx
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
-from openamct.export.covering_pool import fold_pools
 from openamct.export.export_layer import (
     QDQAct,
     WeightDQ,
@@ -51,6 +50,7 @@ from openamct.export.export_layer import (
     per_channel_view,
 )
 from openamct.export.onnx_graph import OnnxGraph
+from openamct.quant.covering_pool import fold_pools
 from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)

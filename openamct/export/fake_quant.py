@@ -26,8 +26,8 @@ import numpy as np
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
-from openamct.export.covering_pool import fold_pools
 from openamct.export.export_layer import fold_activations, fold_layers
+from openamct.quant.covering_pool import fold_pools
 from openamct.quant.functions import QMAX, QMIN
 from openamct.techniques.base import ExportParts, Technique
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from openamct.config.plan import build_plan
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
+from openamct.config.source import build_plan
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
 from openamct.prune.dependency import analyse
@@ -125,12 +125,14 @@ def _layer_macs(info: LayerInfo, graph: Graph) -> tuple[int, int, int] | None:
 def search_plan(layers: dict[str, LayerInfo], override: AMCTRetrainConfig, ascend: bool,
                 modules: dict[str, str], src: str):
     """The plan the analysis runs on: every layer filter-prunable under the user's skip and
-    override entries, the searched ones with a placeholder ratio. Reuses plan.py's priority rules."""
+    override entries, the searched ones with a placeholder ratio. Reuses the techniques' config slices and config/rules.py's priority rules."""
     cfg = AMCTRetrainConfig()
     cfg.CopyFrom(override)
     b = cfg.prune_config.filter_pruner.balanced_l2_norm_filter_prune
     b.prune_ratio, b.ascend_optimized = PLACEHOLDER_RATIO, ascend
-    return build_plan(cfg, layers, "prune", modules=modules, src=src)
+    from openamct.techniques import TECHNIQUES
+
+    return build_plan(cfg, layers, "prune", techniques=TECHNIQUES, modules=modules, src=src)
 
 
 def fixed_layers(override: AMCTRetrainConfig, layers: dict[str, LayerInfo]) -> set[str]:

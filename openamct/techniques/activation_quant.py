@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from openamct.config.specs import LayerPlan, Plan
-from openamct.export.covering_pool import covers_input
 from openamct.graph.graph import Graph
 from openamct.graph.node import TensorInfo
 from openamct.module_tree import set_module
 from openamct.quant.activation import QuantizedActivation
+from openamct.quant.covering_pool import covers_input
 from openamct.quant.quantizers import ActULQ
 from openamct.quant.residual import OutputQuantHook
 from openamct.record import attrs
@@ -138,7 +138,7 @@ def _int8_reader(model: nn.Module, n) -> bool:
     if n.kind == "module" and n.op in INT8_MODULES:
         # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input, so
         # such a pool reads float, unless its window covers the input (HF EfficientNet's
-        # pooler): it is then exported as a GlobalAveragePool (export/covering_pool.py)
+        # pooler): it is then exported as a GlobalAveragePool (quant/covering_pool.py)
         pool = model.get_submodule(n.name)
         return not getattr(pool, "ceil_mode", False) or bool(n.inputs) and covers_input(pool, n.inputs[0].shape)
     # in-place ones too (HF ResNet's ``hidden += residual``): the quantizers' backward keeps only
@@ -243,9 +243,11 @@ def _owned(entry: PruneRecord) -> bool:
 
 class ActivationQuant(Technique):
     name = "activation_quant"
+    after = ("quant",)  # it follows the quantized layers and shares their input quantizers
+    FOLLOWS = "quant"  # the technique whose planned layers it follows (no config slice of its own)
 
     def planned(self, plan: Plan) -> list[LayerPlan]:
-        return plan.quantized()  # it follows the quantized layers; the graph says which ops
+        return plan.selected(self.FOLLOWS)  # the graph says which ops
 
     def owns(self, entry: PruneRecord) -> bool:
         return _owned(entry)

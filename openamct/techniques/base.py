@@ -8,7 +8,20 @@ registry order, for create and restore; the record keeper and the export ask aft
   ``check_restore`` -> ``apply``; after the checkpoint is loaded, ``after_checkpoint``;
 - every record write: ``to_record`` (its own entries), ``record_due`` (must the record be
   rewritten after this forward?) and ``mark_recorded``;
-- save: ``export_parts`` (what the fake-quant and deploy writers need from a layer).
+- save: ``export_parts`` (what the fake-quant and deploy writers need from a layer);
+- training: ``losses`` (terms the user adds to the training loss: a teacher's, a penalty's).
+
+What a technique declares (class attributes) instead of what the core would otherwise know:
+
+- ``name``: the key of its slice in ``LayerPlan.specs`` and in ``after`` declarations;
+- ``after``: names of techniques that must run before it (``openamct.techniques.order``
+  sorts a registry from these, refusing a cycle or an unknown name);
+- its config slice: ``family`` (which shared priority rules of ``config.rules`` apply; None
+  for a technique the config does not configure), ``configured_by`` (does a config block ask
+  for it), ``validate_block`` (its own fields' values) and ``layer_spec`` (its slice for one
+  layer, or None, with a note saying why not);
+- its eligibility: ``layer_types`` (torch class names it may touch) and ``eligible`` (a
+  module-level check, e.g. 2:4 needs 4 input channels per group).
 
 ``plan``/``from_record`` return the technique's *state* for this model (any object); the
 other verbs receive it back. ``apply`` either edits ``ctx.model`` (channels removed) or hands
@@ -24,9 +37,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from openamct.compressed.parts import LayerParts
+from openamct.config.rules import Family
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
+from openamct.layer_types import ALL_TYPES
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 
@@ -73,13 +88,34 @@ class Technique:
     """Base class: the defaults are "nothing to do"; a technique overrides what it owns."""
 
     name = ""
+    after: tuple[str, ...] = ()  # techniques that must have been applied before this one
+    family: Family | None = None  # its config slice's priority rules; None: no config fields
+    layer_types: tuple[str, ...] = ALL_TYPES  # the layer types (torch class names) it may touch
     # True: ``to_record`` takes ``sidecar=`` (a record.sidecar.SidecarOut) and may put bulky
     # data beside the record instead of in it.
     writes_sidecar = False
 
+    # -- config slice (read by config.validate / config.plan, which know no field of it) ----------
+    def configured_by(self, block) -> bool:
+        """Whether a config block (global or override) asks for this technique."""
+        return False
+
+    def validate_block(self, block, where: str, text: str, src: str) -> None:
+        """Raise ConfigError (naming ``src``, the line via ``config.errors.locate``, and ``where``)
+        for a bad value of this technique's fields in ``block``."""
+
+    def layer_spec(self, cfg, info: LayerInfo, api: str, notes: list[str]):
+        """This technique's slice of the config for one layer (stored as ``LayerPlan.specs[name]``),
+        or None; append to ``notes`` why a layer the config asks for is left out."""
+        return None
+
+    def eligible(self, info: LayerInfo) -> str | None:
+        """None when this technique may touch the layer, else why not (for the plan's notes)."""
+        return None if info.type in self.layer_types else f"{info.type} is not supported by {self.name}"
+
     def planned(self, plan: Plan) -> list[LayerPlan]:
         """The layers the config selects for this technique."""
-        return []
+        return plan.selected(self.name)
 
     def owns(self, entry: PruneRecord) -> bool:
         """Whether a prune_record entry of a record file is this technique's."""
@@ -118,6 +154,10 @@ class Technique:
 
     def after_checkpoint(self, state: Any, layers: dict[str, nn.Module]) -> None:
         """Restore: reconcile with the checkpoint's values, just loaded over the record's."""
+
+    def losses(self, state: Any) -> dict[str, Tensor]:
+        """Terms of the last training forward the user adds to the loss (none by default)."""
+        return {}
 
     def export_parts(self, layer: nn.Module, parts: ExportParts) -> None:
         """Fill the fields of ``parts`` this technique owns for ``layer`` (a CompressedLayer

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from openamct.config.specs import LayerPlan, Plan
+from openamct.config.errors import ConfigError, locate
+from openamct.config.rules import PRUNE, PRUNE_SKIPPED, f32, prune_kind, winning_block
+from openamct.config.specs import FilterSpec
 from openamct.prune.group import BlockedGroup, PruneGroup
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, Technique
@@ -28,9 +30,45 @@ class FilterState:
 
 class FilterPruning(Technique):
     name = "filter_prune"
+    family = PRUNE
+    # Pruned actively (a channel space of their own); other convs only follow their input as
+    # consumers (prune/dependency.py).
+    layer_types = ("Conv2d", "Linear", "Conv1D")
 
-    def planned(self, plan: Plan) -> list[LayerPlan]:
-        return plan.filter_pruned()
+    def configured_by(self, block) -> bool:
+        return block.HasField("prune_config") and block.prune_config.WhichOneof("prune_algo") == "filter_pruner"
+
+    def validate_block(self, b, where: str, text: str, src: str) -> None:
+        if prune_kind(b, where, text, src) != "filter_pruner":
+            return
+        p = b.prune_config
+        if p.filter_pruner.WhichOneof("filter_algo") is None:
+            raise ConfigError(f"{src}: {locate(text, 'filter_pruner')}{where}.prune_config.filter_pruner is empty: "
+                              "give balanced_l2_norm_filter_prune { prune_ratio: ... }")
+        r = p.filter_pruner.balanced_l2_norm_filter_prune.prune_ratio
+        if not (0.0 < r < 1.0):  # also rejects NaN
+            raise ConfigError(f"{src}: {locate(text, 'prune_ratio')}{where}: prune_ratio must be in (0, 1), got {r}")
+
+    def eligible(self, info) -> str | None:
+        if info.type not in self.layer_types:
+            return f"filter prune: {info.type} is pruned only passively (as a consumer)"
+        if info.depthwise:
+            return "filter prune: depthwise convs follow their input, never pruned actively"
+        return None
+
+    def layer_spec(self, cfg, info, api: str, notes: list[str]) -> FilterSpec | None:
+        block, skipped = winning_block(cfg, PRUNE, info.name, info.type)
+        if block is None or not self.configured_by(block):
+            return None
+        if skipped:
+            notes.append(PRUNE_SKIPPED)
+            return None
+        why_not = self.eligible(info)
+        if why_not is not None:
+            notes.append(why_not)
+            return None
+        b = block.prune_config.filter_pruner.balanced_l2_norm_filter_prune
+        return FilterSpec(ratio=f32(b.prune_ratio), ascend_optimized=bool(b.ascend_optimized))
 
     def owns(self, entry: PruneRecord) -> bool:
         return not entry.HasField("selective_prune")

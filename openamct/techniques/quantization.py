@@ -10,16 +10,52 @@ training and at save.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from openamct.config.specs import ActSpec, LayerPlan, Plan, QuantSpec, WtsSpec
+from openamct.config.errors import ConfigError, locate
+from openamct.config.retrain_config_pb2 import DataType
+from openamct.config.rules import QUANT, f32, winning_block
+from openamct.config.specs import ActSpec, QuantSpec, WtsSpec
+from openamct.layer_types import ALL_TYPES
 from openamct.module_tree import set_module
 from openamct.quant.quantizers import ActULQ, WeightARQ, WeightULQ
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord, SingleLayerRecord
 from openamct.techniques.base import Context, ExportParts, Technique
+
+_DTYPE = {v: k for k, v in DataType.items()}
+
+
+def _check_dtype(value: int, field: str, where: str, text: str, src: str) -> None:
+    name = _DTYPE.get(value, str(value))
+    if name == "INT4":
+        raise ConfigError(f"{src}: {locate(text, 'dst_type', 'INT4')}{where}.{field}: INT4 quantization-aware training is not supported; use INT8")
+    if name != "INT8":
+        raise ConfigError(f"{src}: {locate(text, 'dst_type', name)}{where}.{field}: only INT8 is supported, got {name}")
+
+
+def read_spec(block, layer_type: str) -> QuantSpec | None:
+    """The QuantSpec a config block gives a layer of ``layer_type``; a missing half (data or
+    weights) takes the defaults (ULQ / ARQ), never another block's half."""
+    has_d, has_w = block.HasField("retrain_data_quant_config"), block.HasField("retrain_weight_quant_config")
+    if not (has_d or has_w):
+        return None
+    act = ActSpec()
+    if has_d and block.retrain_data_quant_config.HasField("ulq_quantize"):
+        u = block.retrain_data_quant_config.ulq_quantize
+        clips = (f32(u.clip_max_min.clip_max), f32(u.clip_max_min.clip_min)) if u.HasField("clip_max_min") else (None, None)
+        act = ActSpec(clip_max=clips[0], clip_min=clips[1],
+                      fixed_min=u.fixed_min if u.HasField("fixed_min") else None)
+    wts = WtsSpec(channel_wise=layer_type != "Linear")
+    if has_w:
+        algo = block.retrain_weight_quant_config.WhichOneof("wts_algo") or "arq_retrain"
+        w = getattr(block.retrain_weight_quant_config, algo)
+        cw = w.channel_wise if w.HasField("channel_wise") else layer_type != "Linear"
+        wts = WtsSpec(algo="ulq" if algo == "ulq_retrain" else "arq", channel_wise=cw)
+    return QuantSpec(act, wts)
 
 
 @dataclass(frozen=True)
@@ -68,9 +104,44 @@ def _entry(layer: nn.Module) -> SingleLayerRecord | None:
 
 class Quantization(Technique):
     name = "quant"
+    after = ("filter_prune",)  # a foldable BatchNorm is folded as channel pruning left it
+    family = QUANT
+    layer_types = ALL_TYPES  # every layer type of the table
 
-    def planned(self, plan: Plan) -> list[LayerPlan]:
-        return plan.quantized()
+    def configured_by(self, block) -> bool:
+        return QUANT.present(block)
+
+    def validate_block(self, b, where: str, text: str, src: str) -> None:
+        if b.HasField("retrain_data_quant_config"):
+            d = b.retrain_data_quant_config
+            if d.HasField("ulq_quantize"):
+                u = d.ulq_quantize
+                _check_dtype(u.dst_type, "retrain_data_quant_config.ulq_quantize.dst_type", where, text, src)
+                if u.HasField("clip_max_min"):
+                    cmax, cmin = u.clip_max_min.clip_max, u.clip_max_min.clip_min
+                    if not (math.isfinite(cmax) and cmax > 0):
+                        raise ConfigError(f"{src}: {locate(text, 'clip_max')}{where}: clip_max must be a finite number > 0, got {cmax}")
+                    if not (math.isfinite(cmin) and cmin < 0):
+                        raise ConfigError(f"{src}: {locate(text, 'clip_min')}{where}: clip_min must be a finite number < 0, got {cmin}")
+        if b.HasField("retrain_weight_quant_config"):
+            w = b.retrain_weight_quant_config
+            algo = w.WhichOneof("wts_algo")
+            if algo is not None:
+                _check_dtype(getattr(w, algo).dst_type, f"retrain_weight_quant_config.{algo}.dst_type", where, text, src)
+
+    def layer_spec(self, cfg, info, api: str, notes: list[str]) -> QuantSpec | None:
+        if self.eligible(info) is not None:
+            return None
+        block, skipped = winning_block(cfg, QUANT, info.name, info.type)
+        if block is not cfg and block is not None:
+            return read_spec(block, info.type)  # an override re-enables a skipped layer
+        if skipped:
+            notes.append("quant: skipped")
+            return None
+        spec = read_spec(cfg, info.type)
+        if spec is None and api == "quant":  # upstream's QAT family quantizes by default
+            spec = QuantSpec(ActSpec(), WtsSpec(channel_wise=info.type != "Linear"))
+        return spec
 
     def in_record(self, record: ScaleOffsetRecord) -> bool:
         return len(record.record) > 0
@@ -79,7 +150,8 @@ class Quantization(Technique):
         """Structure only: which layers, with what settings, sharing which input quantizer."""
         decisions = {}
         for lp in self.planned(ctx.plan):
-            act = lp.quant.act
+            spec = lp.specs[self.name]
+            act = spec.act
             fixed = act.fixed_min if act.fixed_min is not None else ctx.graph.fed_by_relu(lp.name)
             src = ctx.graph.input_tensor(lp.name)
             bn = ctx.graph.single_bn_after(lp.name)
@@ -88,7 +160,7 @@ class Quantization(Technique):
                 bn = None  # BatchNorm1d after a 3-D Linear output normalises another axis
             # One Q/DQ per tensor lets ONNX Runtime keep that tensor in int8 (see export).
             share = (src.key if src is not None else lp.name, act, bool(fixed))
-            decisions[lp.name] = LayerQuantDecision(lp.quant, bool(fixed), share, bn)
+            decisions[lp.name] = LayerQuantDecision(spec, bool(fixed), share, bn)
         return QuantState(decisions)
 
     def from_record(self, ctx: Context) -> QuantState:

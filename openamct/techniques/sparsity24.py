@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openamct.config.specs import LayerPlan, Plan
+from openamct.config.errors import ConfigError, locate
+from openamct.config.rules import PRUNE, PRUNE_SKIPPED, prune_kind, winning_block
+from openamct.config.specs import NMSpec
 from openamct.prune.mask_bits import unpack_bits, unpack_rows
 from openamct.prune.mask_codec import bits_of_words, num_words, pack_mask
 from openamct.record import attrs
@@ -130,9 +132,38 @@ def _sparsifiers(layers) -> dict:
 
 class Sparsity24(Technique):
     name = "2:4"
+    after = ("filter_prune",)  # masks over the channels that remain
+    family = PRUNE
+    layer_types = ("Conv2d", "ConvTranspose2d", "Linear", "Conv1D")
 
-    def planned(self, plan: Plan) -> list[LayerPlan]:
-        return plan.nm_pruned()
+    def configured_by(self, block) -> bool:
+        return block.HasField("prune_config") and block.prune_config.WhichOneof("prune_algo") == "n_out_of_m_pruner"
+
+    def validate_block(self, b, where: str, text: str, src: str) -> None:
+        if prune_kind(b, where, text, src) != "n_out_of_m_pruner":
+            return
+        if b.prune_config.n_out_of_m_pruner.WhichOneof("n_out_of_m_algo") is None:
+            raise ConfigError(f"{src}: {locate(text, 'n_out_of_m_pruner')}{where}.prune_config.n_out_of_m_pruner is empty: "
+                              "give l1_selective_prune { n_out_of_m_type: M4N2 }")
+
+    def eligible(self, info) -> str | None:
+        from openamct.prune.nm import nm_eligible
+
+        ok, why_not = nm_eligible(info.module)
+        return None if ok else f"2:4: {why_not}"
+
+    def layer_spec(self, cfg, info, api: str, notes: list[str]) -> NMSpec | None:
+        block, skipped = winning_block(cfg, PRUNE, info.name, info.type)
+        if block is None or not self.configured_by(block):
+            return None
+        if skipped:
+            notes.append(PRUNE_SKIPPED)
+            return None
+        why_not = self.eligible(info)
+        if why_not is not None:
+            notes.append(why_not)
+            return None
+        return NMSpec(update_freq=int(block.prune_config.n_out_of_m_pruner.l1_selective_prune.update_freq))
 
     def owns(self, entry: PruneRecord) -> bool:
         return is_mask_entry(entry)
@@ -143,7 +174,7 @@ class Sparsity24(Technique):
     def from_record(self, ctx: Context) -> SparsityState:
         masks = packed_masks_in_record(ctx.record, ctx.record_file)
         return SparsityState({lp.name: masks.get(lp.name) for lp in self.planned(ctx.plan)} | {
-            n: m for n, m in masks.items() if n not in ctx.plan.layers or ctx.plan.layers[n].nm is None})
+            n: m for n, m in masks.items() if n not in ctx.plan.layers or self.name not in ctx.plan.layers[n].specs})
 
     def check_restore(self, ctx: Context, state: SparsityState) -> None:
         planned = {lp.name for lp in self.planned(ctx.plan)}
@@ -168,7 +199,7 @@ class Sparsity24(Technique):
         from openamct.prune.nm import NMSparsifier
 
         for name, packed in state.masks.items():
-            sp = NMSparsifier.from_module(ctx.model.get_submodule(name), ctx.plan.layers[name].nm.update_freq)
+            sp = NMSparsifier.from_module(ctx.model.get_submodule(name), ctx.plan.layers[name].specs[self.name].update_freq)
             if packed is not None:
                 sp.set_mask_bits(packed[1])
                 state.recorded[name] = packed[1]

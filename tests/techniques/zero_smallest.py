@@ -42,9 +42,11 @@ def smallest_mask(w: torch.Tensor, share: float = SHARE) -> torch.Tensor:
 
 class ZeroSmallest(Technique):
     name = ALGORITHM
+    after = ("filter_prune",)  # decided from the weights channel pruning left
+    # No config slice of its own (family None): it follows every layer another technique plans.
 
     def planned(self, plan):
-        return [lp for lp in plan.layers.values() if lp.quant is not None or lp.prune is not None]
+        return [lp for lp in plan.layers.values() if lp.specs]
 
     def owns(self, entry) -> bool:
         return selective_algorithm(entry) == ALGORITHM

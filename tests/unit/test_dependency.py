@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openamct.config.parse import load_config
-from openamct.config.plan import build_plan
+from openamct.config.source import build_plan
 from openamct.config.specs import FilterSpec, LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
@@ -22,6 +22,7 @@ from openamct.prune.index_mapping import (
     index_axis,
     reshape_axis,
 )
+from openamct.techniques import TECHNIQUES
 from tests.conftest import compat_config
 from tests.models import (
     ConcatNet,
@@ -93,9 +94,10 @@ class ConvOutNet(nn.Module):
 def run(model, x, ratio=0.5, ascend=False, skip=(), ratios=None):
     graph = capture_graph(model, x)
     layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, prune=None if n in skip or i.depthwise or i.excluded
+    plan = Plan({n: LayerPlan(n, i.type, {} if n in skip or i.depthwise or i.excluded
                               or i.type not in ("Conv2d", "Linear")
-                              else FilterSpec((ratios or {}).get(n, ratio), ascend)) for n, i in layers.items()})
+                              else {"filter_prune": FilterSpec((ratios or {}).get(n, ratio), ascend)})
+                 for n, i in layers.items()})
     return analyse(graph, layers, plan)
 
 
@@ -157,7 +159,7 @@ def test_net001_with_upstream_config():
     graph = capture_graph(model, x)
     layers = find_layers(model, graph)
     cfg, text = load_config(compat_config("configuration__net_001_prune_complete.cfg"))
-    plan = build_plan(cfg, layers, "prune", text=text)
+    plan = build_plan(cfg, layers, "prune", techniques=TECHNIQUES, text=text)
     groups, blocked = analyse(graph, layers, plan)
     g = by_producer(groups)
     assert set(g) == {("layer2.0",), ("layer5.0",), ("layer6.0",)}  # layer1.0 skipped, fc.* skipped by type
@@ -247,8 +249,8 @@ def test_multi_producer_group_takes_min_ratio_and_any_alignment(caplog):
     model, x = EltwiseGroupNet(), example_input("EltwiseGroupNet")
     graph = capture_graph(model, x)
     layers = find_layers(model, graph)
-    plan = Plan({"layer1.0": LayerPlan("layer1.0", "Conv2d", prune=FilterSpec(0.5, False)),
-                 "layer2.0": LayerPlan("layer2.0", "Conv2d", prune=FilterSpec(0.25, True))})
+    plan = Plan({"layer1.0": LayerPlan("layer1.0", "Conv2d", {"filter_prune": FilterSpec(0.5, False)}),
+                 "layer2.0": LayerPlan("layer2.0", "Conv2d", {"filter_prune": FilterSpec(0.25, True)})})
     with caplog.at_level(logging.INFO, logger="openamct.prune.dependency"):
         groups, _ = analyse(graph, layers, plan)
     (g,) = [g for g in groups if len(g.producers) == 2]

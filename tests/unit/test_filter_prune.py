@@ -81,7 +81,7 @@ class TwoProducers(nn.Module):
 def prune(model, x, ratio=0.5, ascend=False):
     graph = capture_graph(model, x)
     layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, prune=FilterSpec(ratio, ascend))
+    plan = Plan({n: LayerPlan(n, i.type, {"filter_prune": FilterSpec(ratio, ascend)})
                  for n, i in layers.items() if i.type in ("Conv2d", "Linear") and not i.depthwise})
     groups, _ = analyse(graph, layers, plan)
     score_and_select(model, groups)

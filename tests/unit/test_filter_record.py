@@ -46,7 +46,7 @@ class ConcatFlattenNet(nn.Module):
 def pruned_groups(model, x, ratio=0.5):
     graph = capture_graph(model, x)
     layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, prune=FilterSpec(ratio, False))
+    plan = Plan({n: LayerPlan(n, i.type, {"filter_prune": FilterSpec(ratio, False)})
                  for n, i in layers.items() if i.type in ("Conv2d", "Linear") and not i.depthwise})
     groups, _ = analyse(graph, layers, plan)
     score_and_select(model, groups)

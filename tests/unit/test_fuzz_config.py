@@ -23,11 +23,13 @@ from hypothesis.control import current_build_context
 
 from openamct import pipeline
 from openamct.config.parse import parse_config_text
-from openamct.config.plan import build_plan
-from openamct.config.source import load_plan
+from openamct.config.source import build_plan, load_plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
-from openamct.layer_types import FILTER_TYPES, NM_TYPES, QUANT_TYPES
+from openamct.techniques import TECHNIQUES
+from openamct.techniques.filter_prune import FilterPruning
+from openamct.techniques.quantization import Quantization
+from openamct.techniques.sparsity24 import Sparsity24
 from tests.conftest import COMPAT
 from tests.hang import no_hang
 from tests.models import Net001
@@ -35,6 +37,7 @@ from tests.models import Net001
 CONFIGS = sorted(glob.glob(os.path.join(COMPAT, "configs", "*.cfg")))
 TEXTS = [open(p, encoding="utf-8").read() for p in CONFIGS]
 APIS = ("prune", "compressed", "quant")
+QUANT_TYPES, FILTER_TYPES, NM_TYPES = Quantization.layer_types, FilterPruning.layer_types, Sparsity24.layer_types
 HANG_S = 10.0  # one example taking this long is a hang, not a slow case
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")]
 
@@ -94,7 +97,7 @@ def accept_or_reject(text: str, net, api: str) -> bool:
     with no_hang():
         try:
             cfg = parse_config_text(text, "fuzz.cfg")
-            plan = build_plan(cfg, layers, api, modules=modules, text=text, src="fuzz.cfg")
+            plan = build_plan(cfg, layers, api, techniques=TECHNIQUES, modules=modules, text=text, src="fuzz.cfg")
         except (ValueError, TypeError) as exc:
             assert str(exc).strip(), f"{type(exc).__name__} without a message"
             _event(f"{api}: rejected")
@@ -329,7 +332,7 @@ def test_config_files_with_any_bytes(net, workdir, data, api):
     path.write_bytes(data)
     with no_hang():
         try:
-            plan = load_plan(str(path), layers, api, modules, "config_defination")
+            plan = load_plan(str(path), layers, api, modules, "config_defination", techniques=TECHNIQUES)
         except (ValueError, TypeError) as exc:
             assert str(exc).strip()
             event("rejected")
@@ -392,7 +395,7 @@ def test_quant_json_configs(net, workdir, text):
     path.write_text(text, encoding="utf-8")
     with no_hang():
         try:
-            plan = load_plan(str(path), layers, "quant", modules, "config_file")
+            plan = load_plan(str(path), layers, "quant", modules, "config_file", techniques=TECHNIQUES)
         except (ValueError, TypeError) as exc:
             assert str(exc).strip()
             event("rejected")

@@ -50,7 +50,7 @@ class Block(nn.Module):
 def prune(model, inputs, ratio=0.3, ascend=False):
     graph = capture_graph(model, inputs)
     layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, prune=FilterSpec(ratio, ascend))
+    plan = Plan({n: LayerPlan(n, i.type, {"filter_prune": FilterSpec(ratio, ascend)})
                  for n, i in layers.items() if i.type in ("Conv2d", "Linear", "Conv1D") and not i.depthwise})
     groups, blocked = analyse(graph, layers, plan, model)
     score_and_select(model, groups)
