@@ -84,7 +84,8 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     if restoring:
         with open(record_file, encoding="utf-8") as f:
             check_fingerprint(f.read(), a.layers, f"record_file {record_file!r}")
-    ctx = Context(work, a.graph, a.layers, a.plan, record, restoring, record_file if restoring else None)
+    ctx = Context(work, a.graph, a.layers, a.plan, record, restoring, record_file if restoring else None,
+                  input_data=input_data)
     applied = []
     for technique in techniques:
         if not technique.wanted(ctx):

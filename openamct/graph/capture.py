@@ -251,7 +251,7 @@ def _refill(obj, saved) -> None:
 
 
 @contextlib.contextmanager
-def _untouched(model: nn.Module):
+def untouched(model: nn.Module):
     """Undo what one forward leaves on the modules: attributes it set or replaced (caches that
     some Hugging Face modules fill in eval mode), buffers it changed (counters), hooks it added.
     The captured model must behave as the one the user handed over."""
@@ -293,7 +293,7 @@ def capture_graph(model: nn.Module, input_data: Any) -> Graph:
     """Run ``model`` once (eval mode, no grad) and return its dataflow graph.
 
     The model is left exactly as it was: parameters, buffers, attributes, hooks, train/eval
-    flags (see ``_untouched``).
+    flags (see ``untouched``).
     """
     args, kwargs = split_input_data(input_data)
     builder = _Builder(model)
@@ -302,7 +302,7 @@ def capture_graph(model: nn.Module, input_data: Any) -> Graph:
         f"{k}" for k, v in kwargs.items() for _ in flatten_tensors(v)]
     builder.add_inputs(in_tensors, in_names)
     handles = []
-    with _untouched(model):
+    with untouched(model):
         out = _run(model, builder, args, kwargs, handles)
     outs = flatten_tensors(out)
     if not outs:

@@ -235,12 +235,19 @@ def validate_removal(model: nn.Module, groups: list[PruneGroup]) -> None:
     _edits(model, groups)
 
 
-def apply_removal(model: nn.Module, groups: list[PruneGroup]) -> None:
+def removal_edits(model: nn.Module, groups: list[PruneGroup]) -> list[tuple[nn.Module, Edit]]:
+    """(module, (tensors, sizes)) that removing ``groups`` would set, computed and checked."""
+    return _edits(model, groups)
+
+
+def apply_removal(model: nn.Module, groups: list[PruneGroup], quiet: bool = False) -> None:
     """Physically remove every group's ``removed`` channels from ``model`` (in place). Every
     edit is computed and checked first, so a bad group leaves the model untouched."""
     edits = _edits(model, groups)
     with torch.no_grad():
         for module, edit in edits:
             _commit(module, edit)
+    if quiet:
+        return
     logger.info("filter prune: removed channels from %d groups (%d layers edited)",
                 sum(1 for g in groups if g.removed), len(edits))

@@ -57,6 +57,7 @@ class Context:
     record: ScaleOffsetRecord  # restore: the record read; create: empty
     restoring: bool
     record_file: str | None = None  # restore: the record's path (its mask file lies beside it)
+    input_data: Any = None  # the caller's sample batch (a technique may run the model on it)
     parts: dict[str, LayerParts] = field(default_factory=dict)
 
     def parts_of(self, name: str) -> LayerParts:

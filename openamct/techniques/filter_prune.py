@@ -79,13 +79,14 @@ class FilterPruning(Technique):
         return self.in_record(ctx.record) if ctx.restoring else bool(self.planned(ctx.plan))
 
     def plan(self, ctx: Context) -> FilterState:
+        from openamct.prune.consistency import consistent_groups
         from openamct.prune.dependency import analyse
         from openamct.prune.filter import score_and_select
         from openamct.prune.filter_record import groups_to_records
 
         groups, blocked = analyse(ctx.graph, ctx.layers, ctx.plan, ctx.model)
         score_and_select(ctx.model, groups)
-        removing = [g for g in groups if g.removed]
+        removing = consistent_groups(ctx.model, [g for g in groups if g.removed], ctx.input_data)
         if not removing:
             whole = len(groups)
             logger.warning("filter prune: the config prunes %d layer(s) but removes no channel: %d coupled group(s) "

@@ -1,0 +1,66 @@
+"""A group whose channel removal the forward cannot follow (a width the forward checks or
+reshapes to as a Python constant, out of the graph analysis's sight) stays whole at create,
+with a WARNING; the other groups are pruned and the model trains, restores and saves."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+import openamct as amct
+
+FILTER = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+          "prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_ratio: 0.5 ascend_optimized: false } } }\n")
+
+
+class FixedWidth(nn.Module):
+    """``stem`` -> ``mix`` is an ordinary prunable pair; ``proj``'s width is checked against a
+    Python constant (timm's ``_assert(C == self.dim)``), which no graph analysis can see."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.mix = nn.Conv2d(16, 16, 3, padding=1)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.width = 16
+
+    def forward(self, x):
+        h = self.mix(torch.relu(self.stem(x)))
+        t = h.flatten(2).transpose(1, 2)  # [b, tokens, 16]
+        t = torch.relu(self.proj(t))
+        if t.shape[-1] != self.width:
+            raise RuntimeError(f"expected width {self.width}, got {t.shape[-1]}")
+        return self.head(t.mean(dim=1))
+
+
+def test_a_group_the_forward_cannot_follow_stays_whole(tmp_path, caplog):
+    cfg = tmp_path / "f.cfg"
+    cfg.write_text(FILTER)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="openamct.prune.consistency"):
+        m = amct.create_compressed_retrain_model(FixedWidth(), x, str(cfg), str(tmp_path / "r.txt"))
+    assert "group(s) left whole, because the model's forward fails once their channels are removed" in caplog.text
+    assert "proj" in caplog.text
+    assert m.proj.weight.shape[0] == 16  # left whole
+    assert m.stem.weight.shape[0] < 16  # the group the forward follows is pruned
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    m.train()
+    for _ in range(2):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+    m.eval()
+    with torch.no_grad():
+        want = m(x)
+    torch.save(m.state_dict(), tmp_path / "ck.pth")
+    r = amct.restore_compressed_retrain_model(FixedWidth(), x, str(cfg), str(tmp_path / "r.txt"),
+                                              str(tmp_path / "ck.pth"))
+    r.eval()
+    with torch.no_grad():
+        assert torch.equal(r(x), want)
+    amct.save_compressed_retrain_model(r, str(tmp_path / "r.txt"), str(tmp_path / "m"), x)
+    assert (tmp_path / "m_deploy_model.onnx").is_file()
