@@ -59,6 +59,9 @@ def module_aliases(model: nn.Module) -> dict[int, list[str]]:
     return aliases
 
 
+NEVER_CALLED = "never called in the forward with input_data (used functionally or unused)"
+
+
 def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
     """Every module of a supported type, in module order, with exclusions decided."""
     owners = parameter_owners(model)
@@ -80,7 +83,7 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
         elif len(aliases.get(id(module), [])) > 1:
             info.excluded = f"registered under several names ({', '.join(aliases[id(module)])})"
         elif calls == 0:
-            info.excluded = "never called in the forward with input_data (used functionally or unused)"
+            info.excluded = NEVER_CALLED
         elif calls > 1:
             info.excluded = f"called {calls} times in one forward (reused module)"
         elif shared:

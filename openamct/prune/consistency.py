@@ -77,3 +77,34 @@ def consistent_groups(model: nn.Module, groups: list[PruneGroup], input_data: An
                    "are removed (a shape written as a constant, e.g. a view to a fixed width): %s%s",
                    len(dropped), names, more)
     return kept
+
+
+class UnseenLayerCheck:
+    """Forward pre-hook of a layer create never saw run (a branch ``input_data`` did not take).
+    Filter pruning may have narrowed its input without it knowing: then the forward stops here
+    with the layer and the cause named, instead of deep inside torch's conv."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return
+        if hasattr(module, "in_channels"):
+            want, have = module.in_channels, x.shape[1]
+        elif hasattr(module, "in_features"):
+            want, have = module.in_features, x.shape[-1]
+        else:
+            return
+        if have != want:
+            raise ValueError(
+                f"layer {self.name!r} never ran when create ran the model on input_data (a branch input_data did "
+                f"not take), and filter pruning has since narrowed its input to {have} channels (it expects "
+                f"{want}): give create an input_data that takes this branch, or skip the layers feeding it "
+                "(regular_prune_skip_layers)")
+
+
+def guard_unseen_layers(model: nn.Module, names: list[str]) -> None:
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(UnseenLayerCheck(name))

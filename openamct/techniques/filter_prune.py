@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, PRUNE_SKIPPED, f32, prune_kind, winning_block
 from openamct.config.specs import FilterSpec
+from openamct.graph.layers import NEVER_CALLED
 from openamct.prune.group import BlockedGroup, PruneGroup
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, Technique
@@ -104,9 +105,12 @@ class FilterPruning(Technique):
         return FilterState(groups_from_records(ctx.record, ctx.model), entries)
 
     def apply(self, ctx: Context, state: FilterState) -> None:
+        from openamct.prune.consistency import guard_unseen_layers
         from openamct.prune.filter import apply_removal
 
         apply_removal(ctx.model, state.groups)
+        if state.groups:
+            guard_unseen_layers(ctx.model, [n for n, i in ctx.layers.items() if i.excluded == NEVER_CALLED])
 
     def to_record(self, state: FilterState, layers, record: ScaleOffsetRecord) -> None:
         for entry in state.entries:

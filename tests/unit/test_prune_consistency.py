@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -64,3 +65,34 @@ def test_a_group_the_forward_cannot_follow_stays_whole(tmp_path, caplog):
         assert torch.equal(r(x), want)
     amct.save_compressed_retrain_model(r, str(tmp_path / "r.txt"), str(tmp_path / "m"), x)
     assert (tmp_path / "m_deploy_model.onnx").is_file()
+
+
+class Branchy(nn.Module):
+    """``side`` runs only when ``use_side`` is set: create's input_data never takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.main = nn.Conv2d(16, 8, 3, padding=1)
+        self.side = nn.Conv2d(16, 8, 1)
+        self.head = nn.Linear(8, 4)
+        self.use_side = False
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        y = self.main(h) + (self.side(h) if self.use_side else 0)
+        return self.head(y.mean(dim=(2, 3)))
+
+
+def test_a_layer_create_never_saw_fails_clearly_once_its_input_was_narrowed(tmp_path):
+    cfg = tmp_path / "f.cfg"
+    cfg.write_text(FILTER)
+    x = torch.randn(2, 3, 8, 8)
+    m = amct.create_compressed_retrain_model(Branchy(), x, str(cfg), str(tmp_path / "r.txt"))
+    assert m.stem.weight.shape[0] < 16
+    m.train()
+    m(x)  # the branch create saw still trains
+    m.use_side = True
+    with pytest.raises(ValueError, match=r"layer 'side' never ran when create ran the model on input_data .* "
+                                         r"narrowed its input to \d+ channels \(it expects 16\)"):
+        m(x)
