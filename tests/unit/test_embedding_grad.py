@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.compressed import fused_linear
-from openamct.compressed.embedding_grad import PooledGradEmbedding, pool_embedding_grads
+from openamct.large import fused_linear
+from openamct.large.embedding_grad import PooledGradEmbedding, pool_embedding_grads
 
 
 @pytest.fixture(autouse=True)

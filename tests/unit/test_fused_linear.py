@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.compressed import fused_linear
-from openamct.compressed.fused_linear import masked_quant_linear
 from openamct.compressed.layer import CompressedLayer
-from openamct.prune.mask_bits import pack_bits
+from openamct.large import fused_linear
+from openamct.large.fused_linear import masked_quant_linear
+from openamct.prune.mask_codec import pack_bits
 from openamct.prune.nm import NMSparsifier, _MaskSTE, apply_mask, compute_nm_mask
 from openamct.quant.functions import arq_scales, arq_weight_fake_quant
 from openamct.quant.quantizers import WeightARQ

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.compressed import fused_linear
-from openamct.compressed.fused_linear import masked_quant_linear
+from openamct.large import fused_linear
+from openamct.large.fused_linear import masked_quant_linear
 from tests.unit.test_fused_linear import _case
 
 
@@ -181,7 +181,7 @@ def test_training_with_the_pool_lands_on_the_same_weights_bit_for_bit(tmp_path, 
     import copy
 
     import openamct as amct
-    from openamct.compressed import grad_pool
+    from openamct.large import grad_pool
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))

@@ -11,8 +11,8 @@ import gc
 import pytest
 import torch
 
-from openamct.compressed import fused_linear
-from openamct.compressed.fused_linear import masked_quant_linear
+from openamct.large import fused_linear
+from openamct.large.fused_linear import masked_quant_linear
 from tests.unit.test_fused_linear import _case, _composed
 
 

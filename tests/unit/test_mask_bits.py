@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from openamct.prune.mask_bits import (
     pack_bits,
     packed_size,
@@ -15,6 +14,7 @@ from openamct.prune.mask_bits import (
     unpack_rows_reused,
     write_bits,
 )
+
 from openamct.prune.mask_codec import pack_mask, unpack_mask, words_of_bits
 
 

@@ -355,7 +355,7 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
     19): it refuses what the whole-mask count refuses, with the same counts, wherever the
     excess lies (here: only in the last row)."""
     from openamct.prune import nm
-    from openamct.prune.mask_bits import pack_bits
+    from openamct.prune.mask_codec import pack_bits
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
 
     monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", slice_elems)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from openamct.large.text_reader import Unsupported, fast_merge
+from openamct.large.text_writer import message_to_text
 from openamct.record import file_io
 from openamct.record.file_io import parse_record_text, read_record
 from openamct.record.scale_offset_record_pb2 import (
@@ -20,8 +22,6 @@ from openamct.record.scale_offset_record_pb2 import (
     ScaleOffsetRecord,
     SingleLayerRecord,
 )
-from openamct.record.text_reader import Unsupported, fast_merge
-from openamct.record.text_writer import message_to_text
 from tests.unit.test_record_text_writer import BYTES, FIXTURES, SPECIAL_FLOATS, STRINGS, full_record
 
 

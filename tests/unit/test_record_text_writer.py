@@ -17,7 +17,9 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.internal.type_checkers import ToShortestFloat
 
-from openamct.record import file_io, text_writer
+from openamct.large import text_writer
+from openamct.large.text_writer import message_to_text
+from openamct.record import file_io
 from openamct.record.file_io import record_to_text
 from openamct.record.scale_offset_record_pb2 import (
     AttrProto,
@@ -29,7 +31,6 @@ from openamct.record.scale_offset_record_pb2 import (
     SingleLayerKVCacheRecord,
     SingleLayerRecord,
 )
-from openamct.record.text_writer import message_to_text
 from tests.conftest import COMPAT, ROOT
 
 FIXTURES = sorted(glob.glob(os.path.join(COMPAT, "records", "*.txt"))

@@ -15,11 +15,12 @@ from torch import nn
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
-from openamct.export.deferred import PLACEHOLDER_DOMAIN, bind_placeholders
 from openamct.export.export_layer import working_copy
 from openamct.export.fake_quant import fold_fake_quant
-from openamct.export.staging import SAVE_ID_KEY, _merged_order
+from openamct.export.ids import SAVE_ID_KEY
 from openamct.export.writer import export_pair, export_to_file
+from openamct.large.deferred import PLACEHOLDER_DOMAIN, bind_placeholders
+from openamct.large.staging import _merged_order
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -155,8 +156,8 @@ def test_a_weight_computed_in_the_scratch_is_the_folded_one(tmp_path, channel_wi
     Linear and for HF's Conv1D layout."""
     from transformers.pytorch_utils import Conv1D
 
-    from openamct.export.deferred import DeferredWeight, WriteScratch
     from openamct.export.export_layer import WeightDQ
+    from openamct.large.deferred import DeferredWeight, WriteScratch
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), Conv1D(24, 64), nn.ReLU(), nn.Linear(24, 8))
@@ -267,8 +268,8 @@ def _largest_allocation(fn) -> int:
 def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
     """A zero-stride placeholder made every matmul copy it out whole first: a save at 1.1B
     parameters faulted 9.08 GB (now 2.23), its fake-quant export peaking +0.27 W."""
-    from openamct.export.deferred import release_zero_pages
     from openamct.export.deploy import fold_deploy
+    from openamct.large.deferred import release_zero_pages
 
     torch.manual_seed(0)
     x = torch.randn(1, 1, 64)  # activations (at most 2 KB) well under the smallest weight (16 KB)
@@ -295,7 +296,7 @@ def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth():
     from benchmarks.memory_probe import rss
-    from openamct.export.deferred import is_placeholder, release_zero_pages, zero_view
+    from openamct.large.deferred import is_placeholder, release_zero_pages, zero_view
 
     try:
         small = zero_view((4, 8), torch.float32)

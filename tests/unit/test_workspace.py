@@ -7,7 +7,7 @@ import threading
 import torch
 from torch import nn
 
-from openamct._workspace import Workspace
+from openamct.large.workspace import Workspace
 
 
 def test_take_reuses_one_buffer_per_name_and_dtype_and_grows_it():
