@@ -65,16 +65,16 @@ def _export_streamed(model: nn.Module, input_data: Any, path: str, stage: str, k
     os.mkdir(folder)
     from openamct.export.writer import export_to_file
 
-    held, order = deferred_weights(model)
     zeros = ZeroPages()  # the placeholders' zeros: needed by the probe and the trace only
-    for d in held.values():
+    for d in deferred_weights(model)[0].values():
         d.zeros = zeros
     try:
         file = export_to_file(model, input_data, folder, **io)
     finally:
         zeros.release()
-        for d in held.values():
-            d.zeros = None
+    held, order = deferred_weights(model)  # by the names the trace gave them (``weight_t``)
+    for d in held.values():
+        d.zeros = None
     proto = onnx.load(file, load_external_data=True)
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))

@@ -128,6 +128,7 @@ def test_read_record_takes_the_fast_path(tmp_path, monkeypatch):
     path.write_text("# openamct-fingerprint: x\n" + message_to_text(record))
     want = ScaleOffsetRecord()
     text_format.Merge(path.read_text(), want)
+    monkeypatch.setattr(file_io, "LARGE_RECORD_BYTES", 0)  # the branch point, as for a large record
     monkeypatch.setattr(file_io.text_format, "Merge", lambda *a, **k: pytest.fail("slow parser"))
     got = parse_record_text(path.read_text())
     assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
