@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from openamct._checks import all_finite
-from openamct._memory import drop_file_pages, drop_file_range
 from openamct.log_summary import warn_grouped
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,18 @@ def _read(pth_file: str, state_dict_name: str | None) -> tuple[Mapping[str, torc
     return ckpt, mapped
 
 
+def with_metadata(part: Mapping, sd: Mapping) -> Mapping:
+    """``part`` carrying ``sd``'s ``_metadata`` (each module's ``version``, which a module's
+    ``_load_from_state_dict`` may read: torchvision's MNASNet refuses a load without it), as
+    ``load_state_dict`` needs on every dict it is given; a plain dict carries none."""
+    meta = getattr(sd, "_metadata", None)
+    if meta is None:
+        return part
+    out = OrderedDict(part)
+    out._metadata = meta
+    return out
+
+
 def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], where: str,
                   sliced: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """Each value of ``own``'s keys as it enters: dtype kind, finiteness (of ``sliced`` keys: as
@@ -98,26 +110,6 @@ def _not_finite(key: str, value: torch.Tensor, where: str) -> None:
                      "resume from an earlier checkpoint")
 
 
-def _copy_in_slices(key: str, value: torch.Tensor, mine: torch.Tensor, slice_bytes: int, where: str) -> None:
-    """Check and copy one mapped tensor larger than a load part a slice at a time, dropping each
-    slice's file pages once copied: copied whole, all its file pages were mapped at once beside
-    the working copy (the embedding table, 0.28 W of a 60M Llama: restore +1.58 W, issue 19)."""
-    src, dst = value.view(-1), mine.view(-1)
-    step = max(1, slice_bytes // value.element_size())
-    with torch.no_grad():
-        for at in range(0, src.numel(), step):
-            part = src[at:at + step]
-            if part.is_floating_point() and not all_finite(part):
-                _not_finite(key, value, where)
-            dst[at:at + step].copy_(part)
-            drop_file_range(part)
-    drop_file_pages([value])  # the pages a slice shared with its neighbour
-
-
-def _sliceable(value: torch.Tensor, mine: torch.Tensor, slice_bytes: int) -> bool:
-    return value.nbytes > slice_bytes and value.is_contiguous() and mine.is_contiguous() and mine.device == value.device
-
-
 def _check_01(value: torch.Tensor, key: str, where: str) -> None:
     if value.dtype != torch.bool and value.numel() and not bool(((value == 0) | (value == 1)).all()):
         odd = value[(value != 0) & (value != 1)].reshape(-1)[0].item()
@@ -132,10 +124,10 @@ def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.T
     legacy = [k for k in sd if k.endswith(".mask") and k not in own and k + "_bits" in own and k + "_bits" not in sd]
     if not legacy:
         return sd
-    from openamct.prune.mask_bits import pack_bits
+    from openamct.prune.mask_codec import pack_bits
 
     where = f"pth_file {pth_file!r}"
-    sd = dict(sd)
+    sd = with_metadata(dict(sd), sd)
     for key in legacy:
         value = sd.pop(key)
         shape = tuple(model.get_submodule(key[:-len(".mask")]).weight_shape)
@@ -149,8 +141,8 @@ def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.T
 
 def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
     """Load strictly; a checkpoint of another model is a ValueError listing what differs, before
-    anything is copied. Values are checked as each part enters (``LOAD_PARTS``): a bad one fails
-    the restore, which then returns no model, and its working copy is dropped."""
+    anything is copied. Values are checked as they enter: a bad one fails the restore, which then
+    returns no model, and its working copy is dropped."""
     sd, mapped = _read(pth_file, state_dict_name)
     own = model.state_dict()
     from_file = set(sd) if mapped else set()  # not the masks packed below: those are new memory
@@ -169,43 +161,15 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> N
             parts.append("shape mismatches " + "; ".join(shapes[:5]))
         raise ValueError(f"pth_file {pth_file!r} does not match the compressed model (was it saved from the "
                          f"model that create_*/restore_* returned, with this config and record?): {'; '.join(parts)}")
-    collapsed = []
     where = f"pth_file {pth_file!r}"
-    total = sum(t.nbytes for t in own.values())
-    limit = min(LOAD_PART_BYTES, max(total // LOAD_PARTS, 1))
-    slice_bytes = max(limit, MIN_SLICE_BYTES)
-    for keys in _parts(own, limit):
-        sliced = frozenset(k for k in keys if k in from_file and _sliceable(sd[k], own[k], slice_bytes))
-        collapsed += _check_values(sd, {k: own[k] for k in keys}, where, sliced)
-        for k in sliced:
-            _copy_in_slices(k, sd[k], own[k], slice_bytes, where)
-        # A sliced key is loaded from the model's own tensor: load_state_dict still runs every
-        # hook and check, and its copy of a tensor onto itself returns at once.
-        part = {k: own[k] if k in sliced else sd[k] for k in keys}
-        model.load_state_dict(part, strict=False)  # keys and shapes were matched above
-        drop_file_pages(part[k] for k in keys if k in from_file and k not in sliced)
+    if mapped and all(t.device.type == "cpu" for t in own.values()):
+        # Branch point: a memory-mapped checkpoint into a CPU model is copied a part at a time,
+        # each part's file pages given back once copied (large/chunked_load.py).
+        from openamct.large.chunked_load import load_in_parts
+
+        collapsed = load_in_parts(model, sd, own, from_file, where)
+    else:
+        collapsed = _check_values(sd, own, where)
+        model.load_state_dict(with_metadata(sd, sd), strict=False)  # keys and shapes matched above
     warn_grouped(logger, f"{where}: collapsed activation quantizer(s)", collapsed)
     logger.info("loaded %d tensors from %s", len(sd), pth_file)
-
-
-# A restore copies the checkpoint into the model a part at a time (at least LOAD_PARTS parts,
-# each at most LOAD_PART_BYTES), dropping each part's file pages once copied
-# (``drop_file_pages``): it then holds the working copy plus one part, where one
-# load_state_dict of the mapped file held the working copy plus the file.
-# One tensor larger than a part is copied in slices of a part (``_copy_in_slices``), and of at
-# least MIN_SLICE_BYTES: smaller slices would only add calls.
-LOAD_PART_BYTES = 256 << 20
-LOAD_PARTS = 16
-MIN_SLICE_BYTES = 1 << 20
-
-
-def _parts(own: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
-    """The model's keys, in its order, cut into runs of about ``limit`` bytes."""
-    parts, part, size = [], [], 0
-    for key, t in own.items():
-        part.append(key)
-        size += t.nbytes
-        if size >= limit:
-            parts.append(part)
-            part, size = [], 0
-    return parts + [part] if part else parts

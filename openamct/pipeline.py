@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from openamct.checkpoint import load_into
-from openamct.compressed.embedding_grad import pool_embedding_grads
 from openamct.compressed.layer import CompressedLayer
 from openamct.config.source import load_plan
 from openamct.config.specs import Plan
@@ -27,6 +26,7 @@ from openamct.graph.capture import capture_graph
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
 from openamct.graph.parametrized import evaluate_parametrizations
+from openamct.large.runtime import attach_runtime, large_path_wanted
 from openamct.module_tree import set_module
 from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
@@ -111,9 +111,8 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
-    pooled = pool_embedding_grads(work)
-    if pooled:
-        logger.debug("embedding tables that reuse their gradient's memory: %s", ", ".join(pooled))
+    if large_path_wanted(work):  # branch point: a CPU model gets the large-model runtime (large/)
+        keeper.large = attach_runtime(work, layers)
     return work
 
 

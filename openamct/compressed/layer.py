@@ -21,15 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.clip_grad import input_clip_grad
-from openamct.compressed.fused_linear import (
-    eval_linear,
-    eval_ok,
-    fused_ok,
-    masked_quant_linear,
-    release_scratch,
-)
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
+from openamct.large.fused_linear import large_forward, takes_large_path
 from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
@@ -70,6 +64,7 @@ class CompressedLayer(WeightOp):
         self.input_on_grid = False  # LayerParts.input_on_grid
         self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
         self._scales_seen: tuple | None = None  # (weight key, scales) of the last eval/train forward
+        self.large = None  # the model's LargeRuntime when build attached one (CPU models): large/
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -235,10 +230,8 @@ class CompressedLayer(WeightOp):
                 x = self.act_quant(x)
         if self.bn is not None and self.bn.training:
             y = self._forward_fold_train(x, tap)
-        elif tap is None and self._fused_training(x):
-            y = self._forward_fused(x)
-        elif tap is None and self._scratch_eval(x):
-            y = self._forward_eval_scratch(x)
+        elif tap is None and takes_large_path(self, x):  # branch point: the CPU large-model Linear
+            y = large_forward(self, x)
         else:
             y = self._op_tap(x, *self.effective_weight_bias(), tap)
         if self.out_observer is not None:
@@ -248,24 +241,11 @@ class CompressedLayer(WeightOp):
         return y
 
     def plain_weight_path(self) -> bool:
-        """A Linear whose weight path is only a 2:4 mask and/or ARQ: ``fused_linear._effective``
+        """A Linear whose weight path is only a 2:4 mask and/or ARQ: ``large.fused_linear``
         builds its effective weight in a given buffer (the training step, the save's writer)."""
         sp, q = self.sparsity, self.wts_quant
         return (self.kind.startswith("linear") and self.bn is None and not self.mask_names
                 and (sp is None or type(sp) is NMSparsifier) and (q is None or type(q) is WeightARQ))
-
-    def _fused_training(self, x: Tensor) -> bool:
-        """A training forward ``fused_linear`` computes with no weight-sized allocation per step."""
-        return (self.training and (self.sparsity is not None or self.wts_quant is not None)
-                and self.plain_weight_path() and fused_ok(x, self.weight))
-
-    def _forward_fused(self, x: Tensor) -> Tensor:
-        w, q = self.weight, self.wts_quant
-        mask = None if self.sparsity is None else self.sparsity.current_bits(w)
-        y, scales = masked_quant_linear(x, w, self.bias, mask, None if q is None else q.channel_wise,
-                                        self.kind == "linear_t")
-        self._saw_scales(scales)
-        return y
 
     def _saw_scales(self, scales: Tensor | None) -> None:
         """The ARQ scales a fused forward quantized with, for the record (``weight_scales``)."""
@@ -273,25 +253,9 @@ class CompressedLayer(WeightOp):
             self.wts_quant.last_scales = scales
             self._scales_seen = (self._weight_key(), scales)
 
-    def _scratch_eval(self, x: Tensor) -> bool:
-        """An eval forward under no_grad that ``fused_linear`` computes as a training step does:
-        no weight-sized allocation (the product within a few ulps of ``effective_weight_bias``'s)."""
-        return (not self.training and (self.sparsity is not None or self.wts_quant is not None)
-                and self.plain_weight_path() and eval_ok(x, self.weight))
-
-    def _forward_eval_scratch(self, x: Tensor) -> Tensor:
-        w, q = self.weight, self.wts_quant
-        mask = None if self.sparsity is None else self.sparsity.current_bits(w)
-        y, scales = eval_linear(x, w, mask, None if q is None else q.channel_wise, self.kind == "linear_t")
-        b = self.bias
-        if q is not None and b is not None:
-            b = self._bias_on_int32_grid(w, b, scales)
-        self._saw_scales(scales)
-        return y if b is None else y.add_(b)
-
     def train(self, mode: bool = True) -> CompressedLayer:
-        if not mode:  # eval and export need no training scratch: give its memory back
-            release_scratch()
+        if not mode and getattr(self, "large", None) is not None:  # eval and export hold no training scratch
+            self.large.release()
         return super().train(mode)
 
     def _op_tap(self, x: Tensor, w: Tensor, b: Tensor | None, tap) -> Tensor:

@@ -20,16 +20,16 @@ from torch.autograd import Function
 from torch.nn import functional as F
 
 from openamct._checks import unwrap
-from openamct.compressed.embedding_grad import PooledGradEmbedding
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
-from openamct.export.deferred import (
+from openamct.large.deferred import (
     DeferredTable,
     DeferredWeight,
     is_placeholder,
     placeholder_value,
     zero_twin,
 )
+from openamct.large.embedding_grad import PooledGradEmbedding
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation

@@ -15,7 +15,6 @@ protobuf's 2 GB limit go out with ONNX external data (``<file>.data`` next to th
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import shutil
@@ -29,19 +28,15 @@ import torch
 from torch import nn
 
 from openamct._atomic import atomic_path, atomic_write_bytes, clean_stale_temps, temp_prefix
-from openamct._memory import return_free_memory
-from openamct.compressed.fused_linear import release_scratch
-from openamct.export.deferred import bind_placeholders, release_zero_pages
 from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import (
     compressed_layers,
-    deferred_weights,
     export_parts,
     working_copy,
 )
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
+from openamct.export.ids import SAVE_ID_KEY, hash_model, tensor_bytes
 from openamct.export.signature import export_signature
-from openamct.export.staging import SAVE_ID_KEY, Staged, hash_model, stage_streamed, tensor_bytes
 from openamct.graph.capture import split_input_data
 from openamct.techniques import TECHNIQUES, Technique
 
@@ -132,7 +127,9 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     clean_stale_temps(folder)
     if os.path.dirname(os.path.abspath(deploy_path)) != folder:
         clean_stale_temps(os.path.dirname(os.path.abspath(deploy_path)))
-    release_scratch()  # the training step's effective-weight scratch: the next step re-maps it
+    runtime = getattr(getattr(model, "_openamct", None), "large", None)
+    if runtime is not None:  # the training step's buffers: the next step maps them again
+        runtime.release()
     probe = working_copy(model)
     quantized = any(export_parts(layer, techniques).quantized for layer in compressed_layers(probe).values())
     if not quantized:
@@ -148,53 +145,28 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
             write_onnx(proto, deploy_path, external_threshold)
         logger.info("no quantized layer: wrote the same float model to %s and %s", fake_path, deploy_path)
         return
-    # Both models are built before either file is moved into place: a failure leaves the old
-    # pair. Each is staged on disk as soon as it is exported, its weights computed one layer at
-    # a time while they are written (deferred.py), so no folded weight is held beyond one.
-    import hashlib
+    if _streamed_save_wanted(model):
+        # Branch point: a CPU model is staged on disk with its weights computed one layer at a
+        # time while they are written (large/staging.py), so no folded weight is held beyond one.
+        from openamct.large.streamed_save import export_pair_streamed
 
-    h = hashlib.sha256()
-    with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
-        io = {k: v for k, v in names.items() if k != "work_dir"}
-        fake = fold_fake_quant(probe, techniques)
+        export_pair_streamed(model, probe, fake_path, deploy_path, input_data, names, techniques,
+                             external_threshold)
+    else:  # both models folded whole, exported, stamped and written
+        fake = export_onnx(fold_fake_quant(probe, techniques, defer=False), input_data, **names)
         del probe
-        staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
-        del fake
-        gc.collect()  # the working copy's module tree has cycles: free it before the next one
         work = working_copy(model)
-        observers = fold_deploy(work, techniques)
-        logger.debug("deploy model folded")
-        staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
-                                       lambda proto: finish_deploy(proto, observers)))
+        observers = fold_deploy(work, techniques, defer=False)
+        deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
         del work
-        gc.collect()
-        save_id = h.hexdigest()[:32]
-        for item in staged:
-            item.finish(save_id)
+        _stamp([fake, deploy])
+        write_onnx(fake, fake_path, external_threshold)
+        write_onnx(deploy, deploy_path, external_threshold)
     logger.info("wrote %s and %s", fake_path, deploy_path)
 
 
-def _export_streamed(model: nn.Module, input_data: Any, path: str, stage: str, kind: str, io: dict,
-                     external_threshold: int, h, post=None) -> Staged:
-    """Export a folded model with placeholder weights, run ``post`` on the (small) proto, and
-    stage it with its weights written one at a time."""
-    folder = os.path.join(stage, kind)  # the exporter's own folder; the two files may share a name
-    os.mkdir(folder)
-    try:
-        file = export_to_file(model, input_data, folder, **io)
-    finally:
-        release_zero_pages()  # the placeholders' zeros: needed by the probe and the trace only
-    proto = onnx.load(file, load_external_data=True)
-    for name in os.listdir(folder):
-        os.remove(os.path.join(folder, name))
-    logger.debug("%s model exported", kind)
-    held, order = deferred_weights(model)
-    return_free_memory()  # what the trace freed: the post-pass and the writer come on top
-    deferred = bind_placeholders(proto, held)
-    if post is not None:
-        proto = post(proto)
-    staged = stage_streamed(proto, deferred, order, path, folder, external_threshold, h)
-    del proto
-    return_free_memory()  # the per-layer temporaries' freed heap, before the next model
-    logger.debug("%s model staged", kind)
-    return staged
+def _streamed_save_wanted(model: nn.Module) -> bool:
+    """The streamed save's condition: every parameter and buffer on the CPU (its writer and
+    zero-page placeholders are CPU-only; other devices take the plain path)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(t.device.type == "cpu" for t in tensors)

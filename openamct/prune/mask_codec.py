@@ -20,7 +20,8 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pack_mask", "words_of_bits", "bits_of_words", "unpack_mask", "num_words"]
+__all__ = ["pack_mask", "words_of_bits", "bits_of_words", "unpack_mask", "num_words", "packed_size", "pack_bits",
+           "unpack_bits", "unpack_rows", "write_bits"]
 
 _BITS = 64
 _INT64_MIN = -(1 << 63)
@@ -124,3 +125,68 @@ def _checked_words(shape: Sequence[int], words: Sequence[int] | np.ndarray) -> t
         except (TypeError, ValueError) as exc:
             raise TypeError(f"words: expected ints ({exc})") from None
     return dims, numel, packed
+
+
+# -- the sparsifier's packed mask (NMSparsifier.mask_bits) ----------------------------------------
+# One bit per weight in the record's bit order: the weight flattened in C order, element ``i`` at
+# bit ``7 - i % 8`` of byte ``i // 8``, unused bits of the last byte zero. The record's words are
+# these bytes zero-padded to whole 8-byte words.
+
+_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # bit of each of a byte's 8 elements
+
+
+def packed_size(numel: int) -> int:
+    return -(-numel // 8)
+
+
+def pack_bits(keep: Tensor) -> Tensor:
+    """Bool (or 0/1) tensor -> uint8 bytes of ``packed_size(keep.numel())``."""
+    flat = keep.detach().reshape(-1)
+    if flat.dtype != torch.bool:
+        flat = flat.ne(0)
+    if flat.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flat.numpy()))
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = (1 << _SHIFTS.to(torch.int32)).to(device=flat.device, dtype=torch.uint8)
+    return (flat.view(-1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(bits: Tensor, start: int, count: int) -> Tensor:
+    """Elements ``[start, start + count)`` of a packed mask, as a flat bool tensor."""
+    b0, b1 = start // 8, packed_size(start + count)
+    chunk = bits[b0:b1]
+    if chunk.device.type == "cpu":
+        flags = torch.from_numpy(np.unpackbits(chunk.numpy()))
+    else:
+        flags = (chunk.unsqueeze(-1) >> _SHIFTS.to(chunk.device)).bitwise_and_(1).reshape(-1)
+    # view(bool) reinterprets the 0/1 bytes without a copy; a tracer cannot record it on a
+    # constant (torch.jit alias analysis asserts), so a captured graph gets a cast instead.
+    flags = flags.bool() if torch.jit.is_tracing() else flags.view(torch.bool)
+    return flags.narrow(0, start - 8 * b0, count)
+
+
+def unpack_rows(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: slice) -> Tensor:
+    """Rows ``rows`` (along dim 0) of a packed mask of ``shape``, as bool of their shape."""
+    start, count = _elements_of_rows(shape, rows)
+    return unpack_bits(bits, start, count).view(rows.stop - rows.start, *shape[1:])
+
+
+def _elements_of_rows(shape: tuple[int, ...] | torch.Size, rows: slice) -> tuple[int, int]:
+    """(first flat element, element count) of rows ``rows`` of a C-order tensor of ``shape``."""
+    per_row = math.prod(shape[1:])
+    return rows.start * per_row, (rows.stop - rows.start) * per_row
+
+
+def write_bits(bits: Tensor, start: int, keep: Tensor) -> Tensor:
+    """Pack ``keep`` into elements ``[start, start + keep.numel())`` of ``bits`` (``start`` a
+    multiple of 8, as a writer's slices are); return whether a bit changed (a device tensor:
+    no host sync)."""
+    if start % 8:
+        raise ValueError(f"start: {start} is not a multiple of 8")
+    new = pack_bits(keep).to(bits.device)
+    dst = bits.narrow(0, start // 8, new.numel())
+    changed = torch.ne(dst, new).any()
+    dst.copy_(new)
+    return changed

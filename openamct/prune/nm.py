@@ -21,29 +21,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from openamct._workspace import Workspace
 from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
-from openamct.prune.mask_bits import (
-    pack_bits,
-    packed_size,
-    unpack_bits,
-    unpack_rows_reused,
-    write_bits,
-)
-from openamct.prune.nm_keep import keep24_into, nm_keep_flags
+from openamct.prune.mask_codec import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
+from openamct.prune.nm_keep import _check_int, compute_nm_mask, nm_keep_flags
 from openamct.quant.functions import graph_mode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "apply_bits_rows",
-           "NMSparsifier"]
+__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "NMSparsifier"]
 
 # Classes whose weight layout is [Cin, Cout/groups, ...]; every other conv and Linear is
 # [Cout, Cin/groups, ...].
 _TRANSPOSED = TRANSPOSED_CONVS
 _REGULAR = (*CONVS, nn.Linear)
 _MASK_CHUNK_ELEMS = 1 << 20  # weights per slice of a mask recompute (4 MB of |w|)
-_WS = Workspace()  # a recompute's per-slice temporaries (about 7 MB per thread)
 _KIND_AXIS = {cls.__name__: 0 for cls in _TRANSPOSED} | {cls.__name__: 1 for cls in _REGULAR}
 
 
@@ -85,49 +76,6 @@ def nm_groups(module: nn.Module) -> int:
     if isinstance(module, _TRANSPOSED):
         return int(module.groups)
     return 1
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return value
-
-
-def compute_nm_mask(
-    weight: Tensor, axis: int, n: int = 2, m: int = 4, *, groups: int = 1, as_bool: bool = False
-) -> Tensor:
-    """0/1 mask (same shape and dtype as ``weight``, or bool keep-flags with ``as_bool``)
-    keeping the ``n`` largest |w| of every ``m`` consecutive entries along ``axis``.
-
-    ``groups`` > 1 splits ``axis`` into that many equal parts, each padded on its own (transposed
-    convs, see :func:`nm_groups`). Vectorised: one pass of comparisons per pair of positions in
-    a group (6 for 2:4), never a loop over groups.
-    """
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise TypeError(f"axis: expected an int, got {type(axis).__name__}")
-    if not -weight.dim() <= axis < weight.dim():
-        raise ValueError(f"axis: {axis} is out of range for a weight of shape {list(weight.shape)}")
-    m = _check_int("m", m, 1)
-    n = _check_int("n", n, 0)
-    if n > m:
-        raise ValueError(f"n: must be <= m ({m}), got {n}")
-    groups = _check_int("groups", groups, 1)
-    channels = weight.shape[axis]
-    if channels % groups:
-        raise ValueError(
-            f"groups: {groups} does not divide the {channels} channels on axis {axis} "
-            f"of a weight of shape {list(weight.shape)}"
-        )
-    dtype = torch.bool if as_bool else weight.dtype
-    if weight.numel() == 0:
-        return torch.ones_like(weight, dtype=dtype)
-    return nm_keep_flags(weight, axis % weight.dim(), n, m, groups).to(dtype)
 
 
 def nm_eligible(module: nn.Module) -> tuple[bool, str]:
@@ -184,13 +132,8 @@ def apply_bits(w: Tensor, bits: Tensor, out: Tensor | None = None) -> Tensor:
     if out is None:
         out = torch.empty_like(w, memory_format=torch.contiguous_format)
     for rows in row_slices(w.shape):
-        apply_bits_rows(w, bits, rows, out[rows])
+        apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out[rows])
     return out
-
-
-def apply_bits_rows(w: Tensor, bits: Tensor, rows: slice, out: Tensor) -> Tensor:
-    """Rows ``rows`` of ``w * mask`` (packed mask of ``w``'s shape) into ``out``, their buffer."""
-    return apply_mask(w[rows], unpack_rows_reused(bits, w.shape, rows), out)
 
 
 class _MaskSTE(torch.autograd.Function):
@@ -353,11 +296,9 @@ class NMSparsifier(nn.Module):
         pieces, groups = self._pieces()
         per_row = w[0].numel()
         changed = torch.zeros((), dtype=torch.bool, device=self.mask_bits.device)
-        fast = w.shape[self.axis] % (4 * groups) == 0  # 2:4 groups never padded nor cut by a conv group
+        keep_of = _keep_of(w, self.axis, groups)
         for rows in pieces:
-            x = w[rows]
-            keep = keep24_into(x, self.axis, _WS) if fast else nm_keep_flags(x, self.axis, 2, 4, groups)
-            changed |= write_bits(self.mask_bits, rows.start * per_row, keep)
+            changed |= write_bits(self.mask_bits, rows.start * per_row, keep_of(w[rows]))
         self._mark_installed(changed)
 
     def holds_all_kept(self) -> bool:
@@ -425,6 +366,20 @@ class NMSparsifier(nn.Module):
                 self._changes.add_(1)
         self._ready = bool(self.mask_ready.item())
         self._step = int(self.step.item())
+
+
+def _keep_of(w: Tensor, axis: int, groups: int):
+    """A slice's 2:4 keep-flags for a recompute of ``w``. Branch point: on the CPU, when no
+    2:4 group is padded or cut by a conv group, ``large.mask_bits.keep24_into`` computes them
+    in one workspace made for this recompute (no fresh temporaries per slice); otherwise the
+    plain ``nm_keep_flags``."""
+    if w.device.type == "cpu" and w.shape[axis] % (4 * groups) == 0:
+        from openamct.large.mask_bits import keep24_into
+        from openamct.large.workspace import Workspace
+
+        ws = Workspace()
+        return lambda x: keep24_into(x, axis, ws)
+    return lambda x: nm_keep_flags(x, axis, 2, 4, groups)
 
 
 def _all_kept(numel: int, device) -> Tensor:

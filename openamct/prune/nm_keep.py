@@ -1,5 +1,5 @@
-"""Which weights each 2:4 group keeps: the comparisons behind ``nm.compute_nm_mask`` and the
-sparsifier's recompute (the rule and its tie order are in ``nm.py``'s docstring)."""
+"""Which weights each N:M group keeps: ``compute_nm_mask`` (re-exported by ``nm``), the comparisons
+behind it and the sparsifier's recompute (the rule and its tie order are in ``nm.py``'s docstring)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,50 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from openamct._workspace import Workspace
+__all__ = ["nm_keep_flags", "compute_nm_mask"]
 
-__all__ = ["nm_keep_flags", "keep24_into"]
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def compute_nm_mask(
+    weight: Tensor, axis: int, n: int = 2, m: int = 4, *, groups: int = 1, as_bool: bool = False
+) -> Tensor:
+    """0/1 mask (same shape and dtype as ``weight``, or bool keep-flags with ``as_bool``)
+    keeping the ``n`` largest |w| of every ``m`` consecutive entries along ``axis``.
+
+    ``groups`` > 1 splits ``axis`` into that many equal parts, each padded on its own (transposed
+    convs, see :func:`nm_groups`). Vectorised: one pass of comparisons per pair of positions in
+    a group (6 for 2:4), never a loop over groups.
+    """
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis: expected an int, got {type(axis).__name__}")
+    if not -weight.dim() <= axis < weight.dim():
+        raise ValueError(f"axis: {axis} is out of range for a weight of shape {list(weight.shape)}")
+    m = _check_int("m", m, 1)
+    n = _check_int("n", n, 0)
+    if n > m:
+        raise ValueError(f"n: must be <= m ({m}), got {n}")
+    groups = _check_int("groups", groups, 1)
+    channels = weight.shape[axis]
+    if channels % groups:
+        raise ValueError(
+            f"groups: {groups} does not divide the {channels} channels on axis {axis} "
+            f"of a weight of shape {list(weight.shape)}"
+        )
+    dtype = torch.bool if as_bool else weight.dtype
+    if weight.numel() == 0:
+        return torch.ones_like(weight, dtype=dtype)
+    return nm_keep_flags(weight, axis % weight.dim(), n, m, groups).to(dtype)
 
 
 @torch.no_grad()
@@ -51,22 +92,6 @@ def _keep_flags(pos: Sequence[Tensor], n: int) -> list[Tensor]:
         wins[i] += i_wins
         wins[j] += ~i_wins
     return [w >= (m - n) for w in wins]
-
-
-def keep24_into(x: Tensor, axis: int, ws: Workspace) -> Tensor:
-    """:func:`nm_keep_flags` for 2:4 when ``x.shape[axis]`` is a multiple of 4 (no padding), with
-    every temporary in ``ws``: the result is a view of a workspace buffer, valid until the
-    next call. The same majority votes as ``_keep_flags`` (``_vote24``), written straight into
-    the result's four positions, so a mask recompute allocates nothing per slice (issue 19: at 1.1B
-    parameters the fresh |w| and bool planes of each 4 MB slice took 1.4 of the 2.4 s the first
-    step spent on masks)."""
-    shape, dev = x.shape, x.device
-    mag = torch.abs(x, out=ws.take("mag", shape, x.dtype, dev)).nan_to_num_(nan=float("inf"))
-    groups = mag.unflatten(axis, (shape[axis] // 4, 4))
-    pos = groups.unbind(axis + 1)
-    keep = ws.take("keep", groups.shape, torch.bool, dev)
-    _vote24(pos, keep.unbind(axis + 1), lambda name: ws.take(name, pos[0].shape, torch.bool, dev))
-    return keep.flatten(axis, axis + 1)
 
 
 def _vote24(pos: Sequence[Tensor], out: Sequence[Tensor], buf: Callable[[str], Tensor]) -> None:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from openamct.large.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
 from openamct.record.file_io import write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
-from openamct.record.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class RecordKeeper:
         # record is not written again (save after an eval forward rewrote megabytes of scales).
         self._last: tuple | None = None
         self.header = ""  # comment lines written above the record: the model's fingerprint
+        self.large = None  # the model's LargeRuntime (large/runtime.py) when build gave it one
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from openamct.prune.mask_bits import pack_bits
+from openamct.prune.mask_codec import pack_bits
 from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import checkout_env

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import openamct as amct
-from openamct import checkpoint
-from openamct._memory import drop_file_pages
+from openamct.large import chunked_load as checkpoint
+from openamct.large.memory import drop_file_pages
 
 CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
        "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n")

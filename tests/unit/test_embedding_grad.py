@@ -1,5 +1,5 @@
 """Embedding tables reuse the memory of the last step's freed ``.grad`` for their weight gradient
-(``compressed/embedding_grad.py``): torch's gradient bit for bit, never a buffer someone holds."""
+(``large/embedding_grad.py``): torch's gradient bit for bit, never a buffer someone holds."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.compressed import fused_linear
-from openamct.compressed.embedding_grad import PooledGradEmbedding, pool_embedding_grads
+from openamct.large.embedding_grad import PooledGradEmbedding, pool_embedding_grads
+from openamct.large.runtime import LargeRuntime
+
+RT = LargeRuntime()  # the pooled tables' buffers (a model's keeper owns one)
 
 
 @pytest.fixture(autouse=True)
 def _empty_pool():
-    fused_linear.release_scratch()
+    RT.release()
     yield
-    fused_linear.release_scratch()
+    RT.release()
 
 
 class _Net(nn.Module):
@@ -48,7 +50,7 @@ def _pair(**kw):
     torch.manual_seed(0)
     ref = _Net(**kw)
     ours = copy.deepcopy(ref)
-    return ref, ours, pool_embedding_grads(ours)
+    return ref, ours, pool_embedding_grads(ours, RT)
 
 
 @pytest.mark.parametrize("padding_idx", [None, 0, 5])
@@ -111,7 +113,7 @@ def test_tables_that_are_shared_subclassed_or_renormalised_stay_as_they_are():
     twice = nn.Module()
     twice.a = twice.b = nn.Embedding(4, 2)  # one table under two names
     model = nn.ModuleDict({"scaled": Scaled(4, 2), "max_norm": nn.Embedding(4, 2, max_norm=1.0), "twice": twice})
-    assert pool_embedding_grads(model) == []
+    assert pool_embedding_grads(model, RT) == []
 
 
 def test_without_a_gradient_wanted_or_with_sparse_set_later_the_plain_forward_runs():
@@ -128,9 +130,9 @@ def test_eval_gives_the_buffer_back():
     _, ours, _ = _pair()
     ours(_ids(0)).backward(_dy(0))
     ours.emb.weight.grad = None
-    assert len(fused_linear._grads) == 1
+    assert len(RT.grads) == 1
     ours.eval()
-    assert len(fused_linear._grads) == 0
+    assert len(RT.grads) == 0
 
 
 def _table_pair(rows, dim):
@@ -138,6 +140,7 @@ def _table_pair(rows, dim):
     ref = nn.Embedding(rows, dim)
     ours = copy.deepcopy(ref)
     ours.__class__ = PooledGradEmbedding
+    ours.large = RT
     return ref, ours
 
 

@@ -1,4 +1,4 @@
-"""The fused training path of a compressed Linear (compressed/fused_linear.py): the same
+"""The fused training path of a compressed Linear (large/fused_linear.py): the same
 numbers as the composed mask -> ARQ -> F.linear path, and no weight-sized allocation per step."""
 
 from __future__ import annotations
@@ -7,13 +7,21 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.compressed import fused_linear
-from openamct.compressed.fused_linear import masked_quant_linear
 from openamct.compressed.layer import CompressedLayer
-from openamct.prune.mask_bits import pack_bits
+from openamct.large import fused_linear
+from openamct.large.fused_linear import masked_quant_linear
+from openamct.large.runtime import LargeRuntime
+from openamct.prune.mask_codec import pack_bits
 from openamct.prune.nm import NMSparsifier, _MaskSTE, apply_mask, compute_nm_mask
 from openamct.quant.functions import arq_scales, arq_weight_fake_quant
 from openamct.quant.quantizers import WeightARQ
+
+RT = LargeRuntime()  # the buffers these tests' layers and calls share (a model's keeper owns one)
+
+
+def _names() -> set[str]:
+    """The effective-weight buffers in the scratch (not the mask unpack's "index"/"flags")."""
+    return {k[0] for k in RT.scratch.tensors} - {"index", "flags"}
 
 
 def _composed(x, w, b, mask_bits, channel_wise, transposed):
@@ -47,9 +55,9 @@ def _both_paths(shape, transposed, bias, masked, channel_wise):
     inputs = [x, w] + ([b] if bias else [])
     y_ref = _composed(x, w, b, mask, channel_wise, transposed)
     ref = torch.autograd.grad(y_ref, inputs, dy)
-    fused_linear.release_scratch()
-    y, scales = masked_quant_linear(x, w, b, mask, channel_wise, transposed)
-    after_forward = {k[0] for k in fused_linear._scratch.tensors}
+    RT.release()
+    y, scales = masked_quant_linear(x, w, b, mask, channel_wise, transposed, RT)
+    after_forward = _names()
     got = torch.autograd.grad(y, inputs, dy)
     assert after_forward == ({"weight"} if fused_linear.SLICED_MAX_ROWS < x.numel() // 64 else {"slice"})
     assert (scales is None) == (channel_wise is None)
@@ -83,7 +91,7 @@ def test_the_sliced_product_matches_the_composed_path(shape, transposed, bias, m
     if chunk is not None:
         monkeypatch.setattr(fused_linear, "_CHUNK_ELEMS", chunk)
     y, y_ref, got, ref = _both_paths(shape, transposed, bias, masked, channel_wise)
-    assert {k[0] for k in fused_linear._scratch.tensors} == {"slice"}  # E never whole
+    assert _names() == {"slice"}  # E never whole
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     for a, r in zip(got[1:], ref[1:]):
@@ -92,7 +100,7 @@ def test_the_sliced_product_matches_the_composed_path(shape, transposed, bias, m
 
 def test_many_input_rows_multiply_the_whole_weight(monkeypatch):
     monkeypatch.setattr(fused_linear, "SLICED_MAX_ROWS", 4)
-    fused_linear.release_scratch()
+    RT.release()
     y, y_ref, got, ref = _both_paths((5, 64), False, True, True, True)  # 5 rows > 4: "weight" only
     assert torch.equal(y, y_ref)
 
@@ -116,17 +124,19 @@ def test_a_backward_after_a_later_forward_recomputes_its_own_weight():
 def _layer() -> CompressedLayer:
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
-    return CompressedLayer.wrap(lin, sparsity=NMSparsifier.from_module(lin, 0), wts_quant=WeightARQ(True))
+    layer = CompressedLayer.wrap(lin, sparsity=NMSparsifier.from_module(lin, 0), wts_quant=WeightARQ(True))
+    layer.large = RT  # as build attaches a CPU model's runtime
+    return layer
 
 
 def _scratch_ptrs() -> set[int]:
-    return {t.data_ptr() for t in fused_linear._scratch.tensors.values()}
+    return {t.data_ptr() for k, t in RT.scratch.tensors.items() if k[0] not in ("index", "flags")}
 
 
 def test_training_steps_reuse_one_scratch_and_eval_gives_it_back():
     layer = _layer().train()
     x = torch.randn(4, 64)
-    fused_linear.release_scratch()
+    RT.release()
     layer(x).sum().backward()
     ptrs = _scratch_ptrs()
     assert len(ptrs) == 1  # the layer ran the fused path
@@ -136,15 +146,15 @@ def test_training_steps_reuse_one_scratch_and_eval_gives_it_back():
     assert layer.weight_scales() is layer.wts_quant.last_scales  # the record reuses the step's scales
     assert not any("scratch" in k for k in layer.state_dict())
     layer.eval()
-    assert not fused_linear._scratch.tensors
+    assert not RT.scratch.tensors
 
 
 def test_the_fused_step_trains_like_the_composed_one():
     fused, composed = _layer().train(), _layer().train()
     x = torch.randn(8, 64)
-    fused_linear.release_scratch()
+    RT.release()
     fused(x).square().sum().backward()
-    assert fused_linear._scratch.tensors  # the fused path ran
+    assert RT.scratch.tensors  # the fused path ran
     w, mask = composed.weight, composed.sparsity.current_bits(composed.weight)
     _composed(x, w, composed.bias, mask, True, False).square().sum().backward()
     # The loss's gradient is 2y, and y may differ by a few ulps (the sliced product).
@@ -182,20 +192,22 @@ def test_model_code_may_modify_the_output_in_place():
 def test_training_under_autocast_takes_the_composed_path():
     layer = _layer().train()
     x = torch.randn(2, 5, 64)
-    fused_linear.release_scratch()
+    RT.release()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16
     assert layer.weight.grad.dtype == torch.float32 and bool(layer.weight.grad.abs().sum() > 0)
-    assert not fused_linear._scratch.tensors
+    assert not RT.scratch.tensors
 
 
 def _conv1d_layer(sparse: bool, channel_wise) -> CompressedLayer:
     conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D(32, 64)  # weight [64, 32]
     torch.nn.init.normal_(conv1d.bias)
-    return CompressedLayer.wrap(conv1d, sparsity=NMSparsifier.from_module(conv1d, 0) if sparse else None,
-                                wts_quant=None if channel_wise is None else WeightARQ(channel_wise))
+    layer = CompressedLayer.wrap(conv1d, sparsity=NMSparsifier.from_module(conv1d, 0) if sparse else None,
+                                 wts_quant=None if channel_wise is None else WeightARQ(channel_wise))
+    layer.large = RT
+    return layer
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
@@ -212,6 +224,7 @@ def test_eval_without_grad_computes_as_a_training_step(kind, sparse, channel_wis
         layer = CompressedLayer.wrap(lin, sparsity=NMSparsifier.from_module(lin, 0) if sparse else None,
                                      wts_quant=None if channel_wise is None else WeightARQ(channel_wise),
                                      act_quant=ActULQ())
+        layer.large = RT
     else:
         layer = _conv1d_layer(sparse, channel_wise)
         layer.act_quant = ActULQ()
@@ -219,14 +232,14 @@ def test_eval_without_grad_computes_as_a_training_step(kind, sparse, channel_wis
     layer.train()
     layer(x).sum().backward()  # masks and clips initialised
     layer.eval()
-    fused_linear.release_scratch()
+    RT.release()
     with torch.no_grad():
         y = layer(x)
         seen = layer._scales_seen
-    assert fused_linear._scratch.tensors  # the scratch path ran
-    fused_linear.release_scratch()
+    assert RT.scratch.tensors  # the scratch path ran
+    RT.release()
     y_ref = layer(x)  # grad enabled: the composed path
-    assert not fused_linear._scratch.tensors
+    assert not RT.scratch.tensors
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     if channel_wise is not None:
         assert torch.equal(seen[1], layer._scales_seen[1]) and seen[0] == layer._scales_seen[0]
@@ -240,3 +253,23 @@ def test_a_layer_without_outputs_gives_empty_outputs_and_zero_input_gradients(tr
     assert y.shape == (3, 0)
     (gx,) = torch.autograd.grad(y.sum(), [x])
     assert torch.equal(gx, torch.zeros(3, 8))
+
+
+def test_only_a_cpu_layer_and_input_take_the_large_path():
+    """Branch point of the layer forward: any other device (CUDA, meta) keeps the plain path,
+    and so does a layer no runtime was attached to (a model built off the CPU)."""
+    from openamct.large.fused_linear import takes_large_path
+    from openamct.large.runtime import large_path_wanted
+
+    layer = _layer().train()
+    x = torch.randn(4, 64)
+    assert takes_large_path(layer, x)
+    assert not takes_large_path(layer, x.to("meta"))
+    meta = _layer().to("meta").train()
+    assert not takes_large_path(meta, torch.randn(4, 64, device="meta"))
+    assert not large_path_wanted(nn.Sequential(meta)) and large_path_wanted(nn.Sequential(_layer()))
+    layer.large = None
+    assert not takes_large_path(layer, x)
+    RT.release()
+    layer(x).sum().backward()  # the plain path: no scratch
+    assert not _names()

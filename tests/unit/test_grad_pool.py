@@ -1,5 +1,5 @@
 """A compressed Linear's backward writes the weight gradient where the last step's freed
-``.grad`` was (``compressed/grad_pool.py``), and only where no one else still uses that memory."""
+``.grad`` was (``large/grad_pool.py``), and only where no one else still uses that memory."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.compressed import fused_linear
-from openamct.compressed.fused_linear import masked_quant_linear
-from tests.unit.test_fused_linear import _case
+from openamct.large import grad_pool
+from openamct.large.fused_linear import masked_quant_linear
+from tests.unit.test_fused_linear import RT, _case
 
 
 @pytest.fixture(autouse=True)
 def _empty_pool():
-    fused_linear.release_scratch()
+    RT.release()
     yield
-    fused_linear.release_scratch()
+    RT.release()
 
 
 def _weight(transposed=False):
@@ -25,7 +25,7 @@ def _weight(transposed=False):
 
 
 def _backward(x, w, mask, dy, transposed=False):
-    y, _ = masked_quant_linear(x, w, None, mask, True, transposed)
+    y, _ = masked_quant_linear(x, w, None, mask, True, transposed, RT)
     y.backward(dy)
 
 
@@ -68,8 +68,8 @@ def test_accumulation_into_an_existing_grad_adds_and_holds_no_second_buffer():
     _backward(x, w, mask, dy)
     _backward(x, w, mask, dy)  # gradient accumulation: autograd adds a temporary into .grad
     assert torch.equal(w.grad, 2 * _expected(x, dy))
-    assert len(fused_linear._grads) == 1  # only the buffer that is .grad itself
-    assert fused_linear._grads._held[w].data_ptr() == w.grad.data_ptr()
+    assert len(RT.grads) == 1  # only the buffer that is .grad itself
+    assert RT.grads._held[w].data_ptr() == w.grad.data_ptr()
     w.grad.zero_()  # zero_grad(set_to_none=False): .grad stays, each step's temporary is added
     _backward(x, w, mask, dy)
     assert torch.equal(w.grad, _expected(x, dy))
@@ -79,18 +79,19 @@ def test_a_pooled_buffer_that_is_not_the_grad_is_dropped():
     x, w, mask, dy = _weight()
     _backward(x, w, mask, dy)
     w.grad = torch.zeros_like(w)  # a .grad of the caller's own (DDP's bucket views do this)
-    y, _ = masked_quant_linear(x.requires_grad_(True), w, None, mask, True, False)
-    assert len(fused_linear._codes) == 1  # not in a buffer that will not become .grad
+    held = RT.grads._held.get(w)
+    y, _ = masked_quant_linear(x.requires_grad_(True), w, None, mask, True, False, RT)
+    assert RT.grads._held.get(w) is None or RT.grads._held.get(w) is held  # no new buffer for the codes
     y.backward(dy)
-    assert len(fused_linear._grads) == 0
+    assert len(RT.grads) == 0
     assert torch.equal(w.grad, _expected(x, dy))
 
 
 def test_autograd_grad_hands_out_the_buffer_only_while_no_one_holds_it():
     x, w, mask, dy = _weight()
-    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, RT)
     (g1,) = torch.autograd.grad(y, [w], dy)
-    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, RT)
     (g2,) = torch.autograd.grad(y, [w], 2 * dy)
     assert g1.data_ptr() != g2.data_ptr()
     assert torch.equal(g1, _expected(x, dy)) and torch.equal(g2, _expected(x, 2 * dy))
@@ -109,24 +110,24 @@ def test_a_weight_moved_to_another_dtype_gets_a_buffer_of_its_own():
 def test_eval_gives_the_buffers_back():
     x, w, mask, dy = _weight()
     _backward(x, w, mask, dy)
-    assert len(fused_linear._grads) == 1
-    fused_linear.release_scratch()
-    assert len(fused_linear._grads) == 0
+    assert len(RT.grads) == 1
+    RT.release()
+    assert len(RT.grads) == 0
     assert torch.equal(w.grad, _expected(x, dy))  # .grad keeps its memory
 
 
 def _codes_of_next_forward(w):
     """Where the next forward's grid values go (``codes_for``, as the forward asks)."""
-    c = fused_linear._grads.codes_for(w)
+    c = RT.grads.codes_for(w)
     return None if c is None else c.data_ptr()
 
 
 def test_the_forwards_grid_values_live_in_the_gradient_buffer_they_are_overwritten_by():
     x, w, mask, dy = _weight()
     x = x.requires_grad_(True)  # the backward needs E: the forward keeps its grid values
-    y, _ = masked_quant_linear(x, w, None, mask, True, False)
-    assert len(fused_linear._codes) == 0 and len(fused_linear._grads) == 1
-    codes_at = fused_linear._grads._held[w].data_ptr()
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, RT)
+    assert len(RT.grads) == 1
+    codes_at = RT.grads._held[w].data_ptr()
     y.backward(dy)
     assert w.grad.data_ptr() == codes_at  # no separate quarter-weight buffer was mapped
     assert torch.equal(w.grad, _expected(x.detach(), dy))
@@ -137,20 +138,20 @@ def test_the_forwards_grid_values_live_in_the_gradient_buffer_they_are_overwritt
 
 def test_while_a_forwards_grid_values_are_there_no_one_else_gets_the_buffer():
     x, w, mask, dy = _weight()
-    y, _ = masked_quant_linear(x.requires_grad_(True), w, None, mask, True, False)
-    held = fused_linear._grads._held[w]
+    y, _ = masked_quant_linear(x.requires_grad_(True), w, None, mask, True, False, RT)
+    held = RT.grads._held[w]
     assert _codes_of_next_forward(w) is None  # a second forward before the backward
     with torch.no_grad():  # as a backward asks, without the forward's codes
-        assert fused_linear._grads.out_for(w, dy) is not held
+        assert RT.grads.out_for(w, dy) is not held
     del y
-    fused_linear._grads._held[w] = held
+    RT.grads._held[w] = held
     assert _codes_of_next_forward(w) is not None  # the graph is gone: free again
 
 
 def test_a_retained_graphs_second_backward_rebuilds_E_instead_of_reading_overwritten_codes():
     x, w, mask, dy = _weight()
     x = x.requires_grad_(True)
-    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, RT)
     loss = (y * dy).sum()
     loss.backward(retain_graph=True)
     gx1, gw1 = x.grad.clone(), w.grad.clone()
@@ -166,8 +167,8 @@ def test_with_a_grad_kept_the_grid_values_get_a_buffer_of_their_own():
     _backward(x, w, mask, dy)
     gx1 = x.grad.clone()
     x.grad = None
-    y, _ = masked_quant_linear(x, w, None, mask, True, False)  # accumulation: .grad is kept
-    assert len(fused_linear._codes) == 1
+    assert RT.grads.codes_for(w) is None  # accumulation: .grad is kept, the codes go elsewhere
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, RT)
     y.backward(dy)
     assert torch.equal(x.grad, gx1) and torch.equal(w.grad, 2 * _expected(x.detach(), dy))
 
@@ -181,8 +182,6 @@ def test_training_with_the_pool_lands_on_the_same_weights_bit_for_bit(tmp_path, 
     import copy
 
     import openamct as amct
-    from openamct.compressed import grad_pool
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
     cfg = tmp_path / "c.cfg"
@@ -206,9 +205,44 @@ def test_training_with_the_pool_lands_on_the_same_weights_bit_for_bit(tmp_path, 
     pooled = train(work)
     # Each step wrote into the same memory. (The first layer's input needs no gradient: its
     # clips' gradients take another path, clip_grad.py, with a gradient of its own.)
-    assert len(set(pooled)) == 1 and fused_linear._grads._held.get(work[2].weight) is not None
-    monkeypatch.setattr(grad_pool, "_ALONE", None)  # no pool: a fresh gradient every backward
+    pool = work._openamct.large.grads  # the model's runtime (build attached it: a CPU model)
+    assert len(set(pooled)) == 1 and pool._held.get(work[2].weight) is not None
+    twin_pool = twin._openamct.large.grads  # a deep copy gets a runtime of its own
+    assert twin_pool is not pool and twin[2].large.grads is twin_pool
+    monkeypatch.setattr(twin_pool, "_alone", None)  # no pool: a fresh gradient every backward
     train(twin)
-    assert fused_linear._grads._held.get(twin[2].weight) is None
+    assert twin_pool._held.get(twin[2].weight) is None
     for (name, a), b in zip(work.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_torch_still_has_the_private_storage_use_count_the_pool_relies_on():
+    """The pool reads ``torch._C._storage_Use_Count`` (private). Without it the pool lends
+    nothing (the plain path); this test fails loudly when torch removes or changes it."""
+    count = grad_pool.use_count_api()
+    assert count is not None, "torch._C._storage_Use_Count is gone: the gradient pool now never lends"
+    t = torch.empty(16)
+    alone = count(t.untyped_storage()._cdata)
+    view = t[1:]
+    assert count(t.untyped_storage()._cdata) == alone + 1, "a view no longer counts as a user of its storage"
+    del view
+    assert count(t.untyped_storage()._cdata) == alone
+    assert grad_pool.GradPool()._alone == alone
+
+
+def test_without_the_use_count_nothing_is_pooled(monkeypatch):
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    pool = grad_pool.GradPool()
+    assert pool._alone is None
+    x, w, mask, dy = _weight()
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, _runtime_with(pool))
+    y.backward(dy)
+    assert len(pool) == 0 and torch.equal(w.grad, _expected(x, dy))
+
+
+def _runtime_with(pool):
+    from openamct.large.runtime import LargeRuntime
+
+    rt = LargeRuntime()
+    rt.grads = pool
+    return rt

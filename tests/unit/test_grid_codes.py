@@ -1,23 +1,20 @@
 """A compressed Linear's backward multiplies by the effective weight E again: from the int8 grid
-values its forward kept (``compressed/fused_linear.py``): in the weight's gradient buffer where
-that is free (``test_grad_pool.py``), else in buffers ``CodePool`` lends to one autograd context
-at a time (``compressed/code_pool.py``). A frozen weight has no gradient buffer: these tests
+values its forward kept (``large/fused_linear.py``): in the weight's gradient buffer where
+that is free (``test_grad_pool.py``), else in a buffer of their own. A frozen weight has no gradient buffer: these tests
 use one to reach the lent buffers."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from openamct.compressed import fused_linear
-from openamct.compressed.fused_linear import masked_quant_linear
-from tests.unit.test_fused_linear import _case, _composed
+from openamct.large import fused_linear
+from openamct.large.fused_linear import masked_quant_linear
+from tests.unit.test_fused_linear import RT, _case, _composed
 
 
 def _gx(x, w, mask, channel_wise, transposed, dy):
-    y, _ = masked_quant_linear(x, w, None, mask, channel_wise, transposed)
+    y, _ = masked_quant_linear(x, w, None, mask, channel_wise, transposed, RT)
     return torch.autograd.grad(y, [x], dy)[0]
 
 
@@ -36,7 +33,7 @@ def test_the_backward_multiplies_by_the_forwards_grid_values(transposed, channel
         monkeypatch.setattr(fused_linear, "SLICED_MAX_ROWS", rows)
     monkeypatch.setattr(fused_linear, "_CHUNK_ELEMS", 7 * 64 + 5)  # several slices, the last short
     x, w, _, mask, dy = _case((2, 9, 64), transposed, False, True)
-    y, _ = masked_quant_linear(x, w, None, mask, channel_wise, transposed)
+    y, _ = masked_quant_linear(x, w, None, mask, channel_wise, transposed, RT)
     monkeypatch.setattr(fused_linear, "_masked_into", _no_rebuild)  # only the forward may build E
     (gx,) = torch.autograd.grad(y, [x], dy)
     monkeypatch.undo()
@@ -68,20 +65,19 @@ def test_a_weight_that_is_not_finite_rebuilds_E_in_the_backward(bad, monkeypatch
 
 
 def _shared_layer_twice(w, mask, x1, x2):
-    y1, _ = masked_quant_linear(x1, w, None, mask, True, False)
-    y2, _ = masked_quant_linear(x2, w, None, mask, True, False)
+    y1, _ = masked_quant_linear(x1, w, None, mask, True, False, RT)
+    y2, _ = masked_quant_linear(x2, w, None, mask, True, False, RT)
     return y1, y2
 
 
 def test_a_layer_called_twice_before_its_backward_keeps_both_grid_values():
     # Shared layers (ALBERT), or two forwards then one backward: each context has its buffer.
-    fused_linear.release_scratch()
+    RT.release()
     x, w, _, mask, dy = _case((5, 64), False, False, True)
     x2 = (x.detach() * 3).requires_grad_(True)
     w2 = w.detach().clone().requires_grad_(True)
     y1, y2 = _shared_layer_twice(w, mask, x, x2)
-    assert len(fused_linear._codes) == 1  # the first call's are in w's gradient buffer
-    assert len(fused_linear._grads) == 1
+    assert len(RT.grads) == 1  # the first call's are in w's gradient buffer, the second's their own
     y1_ref, y2_ref = _shared_layer_twice(w2, mask, x.detach().requires_grad_(True), x2.detach().requires_grad_(True))
     got = torch.autograd.grad((y1 * y2).sum(), [x, x2, w])
     x_r, x2_r = x.detach().requires_grad_(True), x2.detach().requires_grad_(True)
@@ -92,42 +88,28 @@ def test_a_layer_called_twice_before_its_backward_keeps_both_grid_values():
     del y1_ref, y2_ref
 
 
-def test_buffers_are_lent_again_after_a_backward_and_kept_for_a_retained_graph():
-    fused_linear.release_scratch()
+def test_a_retained_graphs_second_backward_reads_its_own_grid_values():
+    RT.release()
     x, w, _, mask, dy = _case((5, 64), False, False, True)
     w = w.detach()  # frozen: its grid values are lent
-    for _ in range(3):  # training steps: one buffer, lent again each step
+    for _ in range(3):
         _gx(x, w, mask, True, False, dy)
-    assert len(fused_linear._codes) == 1
-    y, _ = masked_quant_linear(x, w, None, mask, True, False)
+    y, _ = masked_quant_linear(x, w, None, mask, True, False, RT)
     loss = (y * dy).sum()
     loss.backward(retain_graph=True)
     first = x.grad.clone()
     x.grad = None
     w_other = w * -2  # same shape: it must not reuse y's buffer
     _gx(x, w_other, mask, True, False, dy)
-    assert len(fused_linear._codes) == 2
     loss.backward()  # the retained graph's second backward reads its own grid values
     assert torch.equal(x.grad, first)
-    del y, loss
-    gc.collect()
-    _gx(x, w, mask, True, False, dy)  # both free again
-    assert len(fused_linear._codes) == 2
 
 
 def test_eval_gives_the_buffers_back():
-    fused_linear.release_scratch()
+    RT.release()
     x, w, _, mask, dy = _case((5, 64), False, False, True)
     _gx(x, w.detach(), mask, True, False, dy)
     _gx(x, w, mask, True, False, dy)
-    assert len(fused_linear._codes) == 1 and len(fused_linear._grads) == 1
-    fused_linear.release_scratch()
-    assert len(fused_linear._codes) == 0 and len(fused_linear._grads) == 0
-
-
-def test_no_grid_values_are_kept_when_the_input_needs_no_gradient():
-    fused_linear.release_scratch()
-    x, w, _, mask, dy = _case((5, 64), False, False, True)
-    y, _ = masked_quant_linear(x.detach(), w, None, mask, True, False)
-    torch.autograd.grad(y, [w], dy)
-    assert len(fused_linear._codes) == 0
+    assert len(RT.grads) == 1
+    RT.release()
+    assert len(RT.grads) == 0

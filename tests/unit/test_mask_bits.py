@@ -1,5 +1,5 @@
-"""Masks at one bit per weight (prune/mask_bits.py): the record's bit order, slices that start
-anywhere, and writes that report whether a bit changed."""
+"""Masks at one bit per weight (prune/mask_codec.py; the workspace unpack of large/mask_bits.py):
+the record's bit order, slices that start anywhere, and writes that report whether a bit changed."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from openamct.prune.mask_bits import (
+from openamct.large.mask_bits import unpack_rows_reused
+from openamct.large.workspace import Workspace
+from openamct.prune.mask_codec import (
     pack_bits,
+    pack_mask,
     packed_size,
     unpack_bits,
+    unpack_mask,
     unpack_rows,
-    unpack_rows_reused,
+    words_of_bits,
     write_bits,
 )
-from openamct.prune.mask_codec import pack_mask, unpack_mask, words_of_bits
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 65, 1000])
@@ -54,7 +57,7 @@ def test_rows_unpacked_into_the_kept_buffer_match_numpys_unpacking(shape):
     keep = torch.rand(shape) < 0.5
     bits = pack_bits(keep)
     for rows in (slice(0, 1), slice(1, 4), slice(2, shape[0]), slice(0, shape[0])):
-        got = unpack_rows_reused(bits, keep.shape, rows)
+        got = unpack_rows_reused(bits, keep.shape, rows, Workspace())
         assert got.dtype == torch.bool and torch.equal(got, keep[rows]), rows
         assert torch.equal(got, unpack_rows(bits, keep.shape, rows))
 

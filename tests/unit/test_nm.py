@@ -355,7 +355,7 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
     19): it refuses what the whole-mask count refuses, with the same counts, wherever the
     excess lies (here: only in the last row)."""
     from openamct.prune import nm
-    from openamct.prune.mask_bits import pack_bits
+    from openamct.prune.mask_codec import pack_bits
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
 
     monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", slice_elems)
@@ -415,11 +415,13 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
     reference, on ties, signed zeros, +-inf and NaN; twice in a row, so the second run reads
     buffers the first one filled."""
     import openamct.prune.nm as nm
-    import openamct.prune.nm_keep as nm_keep
+    from openamct.large.mask_bits import keep24_into
+    from openamct.large.workspace import Workspace
 
     monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 24)  # several slices through the same buffers
     gen = torch.Generator().manual_seed(sum(shape) + axis)
     vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, float("inf"), float("-inf"), float("nan"), 0.5, -2.0])
+    ws = Workspace()
     for _ in range(2):
         w = vals[torch.randint(0, len(vals), shape, generator=gen)].to(dtype)
         sp = NMSparsifier(shape, axis, update_freq=0).train()
@@ -427,4 +429,4 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
         flat = w.float().nan_to_num(nan=float("inf")).movedim(axis, -1).reshape(-1, shape[axis])
         ref = _reference_mask(flat, 2, 4).reshape(*w.movedim(axis, -1).shape).movedim(-1, axis)
         assert torch.equal(sp.mask, ref.bool())
-        assert torch.equal(nm_keep.keep24_into(w, axis, nm._WS), compute_nm_mask(w, axis, as_bool=True))
+        assert torch.equal(keep24_into(w, axis, ws), compute_nm_mask(w, axis, as_bool=True))

@@ -15,9 +15,10 @@ import torch
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
-from openamct.record import attrs, sidecar
+from openamct.large import sidecar
+from openamct.large.sidecar import FILE, FILE_SHA
+from openamct.record import attrs
 from openamct.record.file_io import read_record
-from openamct.record.sidecar import FILE, FILE_SHA
 from openamct.techniques import sparsity24
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.models import MODELS

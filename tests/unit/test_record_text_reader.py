@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from openamct.large.text_reader import Unsupported, fast_merge
+from openamct.large.text_writer import message_to_text
 from openamct.record import file_io
 from openamct.record.file_io import parse_record_text, read_record
 from openamct.record.scale_offset_record_pb2 import (
@@ -20,8 +22,6 @@ from openamct.record.scale_offset_record_pb2 import (
     ScaleOffsetRecord,
     SingleLayerRecord,
 )
-from openamct.record.text_reader import Unsupported, fast_merge
-from openamct.record.text_writer import message_to_text
 from tests.unit.test_record_text_writer import BYTES, FIXTURES, SPECIAL_FLOATS, STRINGS, full_record
 
 
@@ -128,6 +128,7 @@ def test_read_record_takes_the_fast_path(tmp_path, monkeypatch):
     path.write_text("# openamct-fingerprint: x\n" + message_to_text(record))
     want = ScaleOffsetRecord()
     text_format.Merge(path.read_text(), want)
+    monkeypatch.setattr(file_io, "LARGE_RECORD_BYTES", 0)  # the branch point, as for a large record
     monkeypatch.setattr(file_io.text_format, "Merge", lambda *a, **k: pytest.fail("slow parser"))
     got = parse_record_text(path.read_text())
     assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)

@@ -17,7 +17,9 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.internal.type_checkers import ToShortestFloat
 
-from openamct.record import file_io, text_writer
+from openamct.large import text_writer
+from openamct.large.text_writer import message_to_text
+from openamct.record import file_io
 from openamct.record.file_io import record_to_text
 from openamct.record.scale_offset_record_pb2 import (
     AttrProto,
@@ -29,7 +31,6 @@ from openamct.record.scale_offset_record_pb2 import (
     SingleLayerKVCacheRecord,
     SingleLayerRecord,
 )
-from openamct.record.text_writer import message_to_text
 from tests.conftest import COMPAT, ROOT
 
 FIXTURES = sorted(glob.glob(os.path.join(COMPAT, "records", "*.txt"))
@@ -88,10 +89,14 @@ def test_fixture_records(path):
     assert record_to_text(record) == text
 
 
-def test_record_to_text_uses_the_fast_printer(monkeypatch):
+def test_record_to_text_uses_the_fast_printer_for_a_large_record(monkeypatch):
     record = ScaleOffsetRecord()
     record.record.add(key="conv").value.scale_w.extend([0.001, 0.002])
     want = text_format.MessageToString(record)
+    monkeypatch.setattr(text_writer, "_float_str", lambda v: pytest.fail("fast printer for a small record"))
+    assert file_io.record_to_text(record) == want  # below LARGE_RECORD_BYTES: text_format
+    monkeypatch.undo()
+    monkeypatch.setattr(file_io, "LARGE_RECORD_BYTES", 0)  # the branch point, as for a large record
     monkeypatch.setattr(text_format, "MessageToString", lambda *a, **k: pytest.fail("slow printer"))
     assert file_io.record_to_text(record) == want
 

@@ -15,11 +15,12 @@ from torch import nn
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
-from openamct.export.deferred import PLACEHOLDER_DOMAIN, bind_placeholders
 from openamct.export.export_layer import working_copy
 from openamct.export.fake_quant import fold_fake_quant
-from openamct.export.staging import SAVE_ID_KEY, _merged_order
+from openamct.export.ids import SAVE_ID_KEY
 from openamct.export.writer import export_pair, export_to_file
+from openamct.large.deferred import PLACEHOLDER_DOMAIN, bind_placeholders
+from openamct.large.staging import _merged_order
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -155,8 +156,8 @@ def test_a_weight_computed_in_the_scratch_is_the_folded_one(tmp_path, channel_wi
     Linear and for HF's Conv1D layout."""
     from transformers.pytorch_utils import Conv1D
 
-    from openamct.export.deferred import DeferredWeight, WriteScratch
     from openamct.export.export_layer import WeightDQ
+    from openamct.large.deferred import DeferredWeight, WriteScratch
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), Conv1D(24, 64), nn.ReLU(), nn.Linear(24, 8))
@@ -267,8 +268,9 @@ def _largest_allocation(fn) -> int:
 def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
     """A zero-stride placeholder made every matmul copy it out whole first: a save at 1.1B
     parameters faulted 9.08 GB (now 2.23), its fake-quant export peaking +0.27 W."""
-    from openamct.export.deferred import release_zero_pages
     from openamct.export.deploy import fold_deploy
+    from openamct.export.export_layer import deferred_weights
+    from openamct.large.deferred import ZeroPages
 
     torch.manual_seed(0)
     x = torch.randn(1, 1, 64)  # activations (at most 2 KB) well under the smallest weight (16 KB)
@@ -284,26 +286,30 @@ def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
     else:
         fold_deploy(work, c._openamct.techniques)
     smallest_weight = 64 * 64 * 4
+    zeros = ZeroPages()  # one for the save, as streamed_save gives its weights
+    for d in deferred_weights(work)[0].values():
+        d.zeros = zeros
     try:
         with torch.no_grad():
             for _ in range(2):  # the second call reads what the first made, before the growth too
                 assert _largest_allocation(lambda: work(x)) < smallest_weight
     finally:
-        release_zero_pages()
+        zeros.release()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth():
     from benchmarks.memory_probe import rss
-    from openamct.export.deferred import is_placeholder, release_zero_pages, zero_view
+    from openamct.large.deferred import ZeroPages, is_placeholder
 
+    zeros = ZeroPages()
     try:
-        small = zero_view((4, 8), torch.float32)
-        big = zero_view((4096, 4096), torch.float32)  # 64 MB: the mapping grows
+        small = zeros.view((4, 8), torch.float32)
+        big = zeros.view((4096, 4096), torch.float32)  # 64 MB: the mapping grows
         before = rss()
         assert big.is_contiguous() and int(torch.count_nonzero(big)) == 0 == int(torch.count_nonzero(small))
         assert rss() - before < 16 << 20  # read, they are the kernel's zero page
         assert is_placeholder(small) and is_placeholder(big)
         assert not is_placeholder(torch.zeros(4, 8)) and not is_placeholder(big.clone())
     finally:
-        release_zero_pages()
+        zeros.release()

@@ -1,4 +1,4 @@
-"""Reused per-thread buffers (openamct/_workspace.py) and the hot loops that draw on them."""
+"""Reused per-thread buffers (openamct/large/workspace.py) and the hot loops that draw on them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import torch
 from torch import nn
 
-from openamct._workspace import Workspace
+from openamct.large.workspace import Workspace
 
 
 def test_take_reuses_one_buffer_per_name_and_dtype_and_grows_it():
@@ -35,24 +35,28 @@ def test_each_thread_has_its_own_buffers():
     assert seen and seen[0] != mine
 
 
-def test_a_mask_recompute_and_a_clip_search_allocate_their_temporaries_once(monkeypatch):
-    """Two recomputes, two searches: the second of each runs in the first one's buffers."""
+def test_a_mask_recompute_runs_its_slices_in_one_workspace(monkeypatch):
+    """A recompute of several slices computes each in the buffers of one workspace made for it
+    (nm._keep_of, the CPU branch), and a second recompute makes a new one (no module state)."""
     import openamct.prune.nm as nm
+    from openamct.large import mask_bits
     from openamct.prune.nm import NMSparsifier
-    from openamct.quant import clip_init
 
-    monkeypatch.setattr(nm, "_WS", Workspace())
-    monkeypatch.setattr(clip_init, "_WS", Workspace())
+    seen = []
+    real = mask_bits.keep24_into
+
+    def spy(x, axis, ws):
+        seen.append((id(ws), {k: t.data_ptr() for k, t in ws.tensors.items()}))
+        return real(x, axis, ws)
+
+    monkeypatch.setattr(mask_bits, "keep24_into", spy)
+    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 64 * 8)  # several slices per recompute
     lin = nn.Linear(64, 32)
     sp = NMSparsifier.from_module(lin, update_freq=1).train()
     sp(lin.weight.detach())
-    first = {k: t.data_ptr() for k, t in nm._WS.tensors.items()}
-    assert first  # the 2:4 path ran in the workspace
-    sp(torch.randn_like(lin.weight))
-    assert {k: t.data_ptr() for k, t in nm._WS.tensors.items()} == first
-    x = torch.randn(clip_init.MAX_SEARCH_ELEMS * 2 + 5)  # subsampled into the workspace too
-    clip_init.search_clips(x, 3.0, -3.0, fixed_min=False)
-    first = {k: t.data_ptr() for k, t in clip_init._WS.tensors.items()}
-    assert {k[0] for k in first} == {"chunk", "sample"}
-    clip_init.search_clips(x * 2, 6.0, -6.0, fixed_min=False)
-    assert {k: t.data_ptr() for k, t in clip_init._WS.tensors.items()} == first
+    assert len(seen) > 2 and len({ws for ws, _ in seen}) == 1
+    assert seen[1][1] and all(ptrs == seen[1][1] for _, ptrs in seen[2:])  # no new buffer per slice
+    assert torch.equal(sp.mask, nm.compute_nm_mask(lin.weight.detach(), 1, as_bool=True))
+    seen.clear()
+    sp(torch.randn_like(lin.weight))  # update_freq=1: recomputed, in a workspace of its own
+    assert len(seen) > 2 and len({ws for ws, _ in seen}) == 1 and not seen[0][1]  # starts empty

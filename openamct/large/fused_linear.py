@@ -26,22 +26,17 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from openamct._workspace import Workspace
-from openamct.compressed.code_pool import CodePool
-from openamct.compressed.grad_pool import GRADIENTS
-from openamct.prune.nm import apply_bits_rows
+from openamct.large.mask_bits import unpack_rows_reused
+from openamct.large.runtime import LargeRuntime
+from openamct.large.workspace import Workspace
+from openamct.prune.mask_codec import unpack_rows
+from openamct.prune.nm import apply_mask
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 
-_scratch = Workspace()  # one effective weight per thread, as large as the largest layer
-_codes = CodePool()  # E's grid values from a forward to its backward, reused across steps
-_grads = GRADIENTS  # weight gradients, written where the last step's freed .grad was
-
-
-def release_scratch() -> None:
-    """Give the scratch memory back (eval and save call it; the next training step re-maps it)."""
-    _scratch.release()
-    _codes.release()
-    _grads.release()
+# The buffers live in the model's ``LargeRuntime`` (runtime.py), passed in as ``rt``: ``rt.scratch``
+# (one effective weight per thread, as large as the largest layer, and the slices) and ``rt.grads``
+# (weight gradients, written where the last step's freed .grad was; E's grid values wait there from
+# a forward to its backward when it is free).
 
 
 _CHUNK_ELEMS = 1 << 20  # 4 MB of float32 per slice: it stays in cache across the passes on it
@@ -66,7 +61,8 @@ def _row_slices(w: Tensor):
 
 
 def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
-               out: Tensor, scales: Tensor | None = None, codes: Tensor | None = None) -> Tensor | None:
+               out: Tensor, scales: Tensor | None = None, codes: Tensor | None = None,
+               ws: Workspace | None = None) -> Tensor | None:
     """Write mask(w) (``mask``: packed, ``mask_bits``' layout), fake-quantized when
     ``channel_wise`` is not None, into ``out`` (its int8 grid values into ``codes`` if given);
     return the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or
@@ -77,12 +73,12 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
     over the whole weight. Every element gets the same ops as on the whole tensor (a max is
     exact in any order), so the result is bit-identical."""
     if _whole_scales_needed(channel_wise, axis, scales):  # the masked weight waits in ``out``
-        scales = _scales_over_rows(w, mask, channel_wise, axis, lambda rows: out[rows])
+        scales = _scales_over_rows(w, mask, channel_wise, axis, lambda rows: out[rows], ws)
         for rows in _row_slices(w):
             _quantize_(out[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis,
                        None if codes is None else codes[rows])
         return scales
-    return _each_slice(w, mask, channel_wise, axis, scales, lambda rows: out[rows], codes=codes)
+    return _each_slice(w, mask, channel_wise, axis, scales, lambda rows: out[rows], codes=codes, ws=ws)
 
 
 def _whole_scales_needed(channel_wise: bool | None, axis: int, scales: Tensor | None) -> bool:
@@ -90,18 +86,20 @@ def _whole_scales_needed(channel_wise: bool | None, axis: int, scales: Tensor | 
     return channel_wise is not None and scales is None and not (channel_wise and axis == 0)
 
 
-def _scales_over_rows(w: Tensor, mask: Tensor | None, channel_wise: bool, axis: int, view) -> Tensor:
+def _scales_over_rows(w: Tensor, mask: Tensor | None, channel_wise: bool, axis: int, view,
+                      ws: Workspace | None = None) -> Tensor:
     """ARQ scales reduced over every row of mask(w), each slice masked into ``view(rows)``."""
     amax = None
     for rows in _row_slices(w):
-        o = _masked_into(w, mask, rows, view(rows))
+        o = _masked_into(w, mask, rows, view(rows), ws)
         part = _absmax_per_channel(o, axis) if channel_wise else torch.maximum(o.amax(), o.amin().neg()).reshape(1)
         amax = part if amax is None else torch.maximum(amax, part)
     return (amax.float() / QMAX).clamp_(min=SCALE_EPS)
 
 
 def _each_slice(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
-                scales: Tensor | None, view, then=None, codes: Tensor | None = None) -> Tensor | None:
+                scales: Tensor | None, view, then=None, codes: Tensor | None = None,
+                ws: Workspace | None = None) -> Tensor | None:
     """Build each slice of rows of the effective weight in ``view(rows)`` (per-row scales
     computed as it goes, other scales given; grid values into ``codes``), then call
     ``then(rows, slice)``; the scales."""
@@ -109,7 +107,7 @@ def _each_slice(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis:
     if per_row:
         scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     for rows in _row_slices(w):
-        o = _masked_into(w, mask, rows, view(rows))
+        o = _masked_into(w, mask, rows, view(rows), ws)
         if channel_wise is not None:
             if per_row:
                 scales[rows] = (_absmax_per_channel(o, 0).float() / QMAX).clamp_(min=SCALE_EPS)
@@ -147,16 +145,16 @@ class _SlicedMM:
             self.out.addmm_(lhs[:, rows], o2)
 
 
-def _slice_view(like: Tensor, dtype: torch.dtype):
+def _slice_view(like: Tensor, dtype: torch.dtype, ws: Workspace):
     """``view(rows)``: the scratch's slice buffer, shaped for rows ``rows`` of ``like``."""
     step = min(like.shape[0], _row_step(like))
-    buf = _scratch.take("slice", (step, *like.shape[1:]), dtype, like.device)
+    buf = ws.take("slice", (step, *like.shape[1:]), dtype, like.device)
     return lambda rows: buf[: rows.stop - rows.start]
 
 
 def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
                     lhs: Tensor, scales: Tensor | None = None, *, reduce: bool,
-                    codes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                    codes: Tensor | None = None, ws: Workspace) -> tuple[Tensor, Tensor | None]:
     """(a fresh contiguous ``lhs @ E`` when ``reduce``, else ``lhs @ E.T``; the ARQ scales or
     None), E the effective weight in ``w``'s layout (``_effective``'s). Each slice of E's rows
     is built in a small buffer and multiplied at once, so E never exists whole (see
@@ -164,16 +162,22 @@ def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, a
 
     The same values as the product with the whole E up to the matmul's summation order, which
     smaller products block differently (a few ulps; the scales are bit-identical)."""
-    view = _slice_view(w, w.dtype)
+    view = _slice_view(w, w.dtype, ws)
     if _whole_scales_needed(channel_wise, axis, scales):
-        scales = _scales_over_rows(w, mask, channel_wise, axis, view)
+        scales = _scales_over_rows(w, mask, channel_wise, axis, view, ws)
     mm = _SlicedMM(lhs, w.shape, reduce)
-    scales = _each_slice(w, mask, channel_wise, axis, scales, view, mm.add, codes)
+    scales = _each_slice(w, mask, channel_wise, axis, scales, view, mm.add, codes, ws)
     return mm.out, scales
 
 
-def _masked_into(w: Tensor, bits: Tensor | None, rows: slice, out: Tensor) -> Tensor:
-    return out.copy_(w[rows]) if bits is None else apply_bits_rows(w, bits, rows, out)
+def _masked_into(w: Tensor, bits: Tensor | None, rows: slice, out: Tensor, ws: Workspace | None = None) -> Tensor:
+    """Rows ``rows`` of ``w * mask`` into ``out``, the mask's rows unpacked into ``ws`` (or new
+    memory without one)."""
+    if bits is None:
+        return out.copy_(w[rows])
+    if ws is None:
+        return apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out)
+    return apply_mask(w[rows], unpack_rows_reused(bits, w.shape, rows, ws), out)
 
 
 def _broadcast(scales: Tensor, o: Tensor, channel_wise: bool, axis: int) -> Tensor:
@@ -198,24 +202,27 @@ def _dequantize_into(codes: Tensor, scales: Tensor, channel_wise: bool, axis: in
 class _MaskedQuantLinear(Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
-                channel_wise: bool | None, transposed: bool):
+                channel_wise: bool | None, transposed: bool, rt):
         # The input gradient needs E again. Rebuilt from w it costs the forward's mask, scales
         # and quantize passes once more (11 ops a slice: on a 512x512 Linear with 64 rows, 0.65
         # ms beside a 0.48 ms matmul); from E's int8 grid values kept here, one cast and one
         # multiply. They take a quarter of the weight's bytes until the backward: in the weight
         # gradient's buffer when that is free (grad_pool.py), which the backward fills after it
-        # has read them, so they cost no memory of their own.
+        # has read them, so they cost no memory of their own; otherwise a buffer of their own
+        # (a pool of such buffers saved under 10 % of a 60M step's time and peak: dropped).
         codes = None
         ctx.codes_in_grad = False
         if channel_wise is not None and ctx.needs_input_grad[0]:
-            codes = _grads.codes_for(w)  # None unless w requires grad and its buffer is free
+            codes = rt.grads.codes_for(w)  # None unless w requires grad and its buffer is free
             ctx.codes_in_grad = codes is not None
             if codes is None:
-                codes = _codes.lend(w.shape, w.device, ctx)
+                codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         with torch.no_grad():
-            y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b, codes=codes)
+            y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b, codes=codes,
+                                 ws=rt.scratch)
         ctx.save_for_backward(x, w, mask, scales, codes)
         ctx.meta = (channel_wise, transposed, b is not None)
+        ctx.rt = rt
         if scales is not None:
             ctx.mark_non_differentiable(scales)
         return y, scales
@@ -225,66 +232,69 @@ class _MaskedQuantLinear(Function):
         x, w, mask, scales, codes = ctx.saved_tensors
         if ctx.codes_in_grad and getattr(ctx, "codes_read", False):
             codes = None  # a second backward (retain_graph): the first wrote the gradient over them
-        ctx.codes_read = True  # the pool may lend ``codes`` again once autograd frees them
+        ctx.codes_read = True
         channel_wise, transposed, has_bias = ctx.meta
+        rt = ctx.rt
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         if need_x:  # g @ E (E.T when stored transposed): E's rows are summed over, or g's columns
             if codes is not None and bool(scales.isfinite().all()):
                 gx = _dequantized_product(g, codes, scales, channel_wise, int(transposed), w.dtype,
-                                          reduce=not transposed)
+                                          reduce=not transposed, ws=rt.scratch)
             else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
-                gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
+                gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales,
+                              ws=rt.scratch)[0]
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
             lhs, rhs = (x.t(), g) if transposed else (g.t(), x)
-            out = _grads.out_for(w, g, codes if ctx.codes_in_grad else None)  # gx has read them
-            gw = lhs.mm(rhs) if out is None else _grads.handed(torch.mm(lhs, rhs, out=out))
+            out = rt.grads.out_for(w, g, codes if ctx.codes_in_grad else None)  # gx has read them
+            gw = lhs.mm(rhs) if out is None else rt.grads.handed(torch.mm(lhs, rhs, out=out))
         if need_b and has_bias:
             gb = g.sum(0)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def _product(lhs: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int, *,
              reduce: bool, scales: Tensor | None = None, b: Tensor | None = None,
-             codes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+             codes: Tensor | None = None, ws: Workspace) -> tuple[Tensor, Tensor | None]:
     """(``lhs @ E`` when ``reduce``, else ``lhs @ E.T``, plus ``b``; the ARQ scales or None) for
     2-D ``lhs``, E's int8 grid values into ``codes`` if given: E's rows a slice at a time for
     few rows of ``lhs``, else E built whole in the shared scratch (``F.linear``, as the
     composed path multiplies)."""
     if lhs.shape[0] <= SLICED_MAX_ROWS:
-        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce, codes=codes)
+        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce, codes=codes, ws=ws)
         return (y if b is None else y.add_(b)), scales
-    weff = _scratch.take_like("weight", w)
-    scales = _effective(w, mask, channel_wise, axis, weff, scales, codes)
+    weff = ws.take_like("weight", w)
+    scales = _effective(w, mask, channel_wise, axis, weff, scales, codes, ws)
     return torch.nn.functional.linear(lhs, weff.t() if reduce else weff, b), scales
 
 
 def _dequantized_product(lhs: Tensor, codes: Tensor, scales: Tensor, channel_wise: bool, axis: int,
-                         dtype: torch.dtype, *, reduce: bool) -> Tensor:
+                         dtype: torch.dtype, *, reduce: bool, ws: Workspace) -> Tensor:
     """``_product`` with E from the grid values a forward kept (the same E, bit for bit)."""
     if lhs.shape[0] <= SLICED_MAX_ROWS:
-        view = _slice_view(codes, dtype)
+        view = _slice_view(codes, dtype, ws)
         mm = _SlicedMM(lhs, codes.shape, reduce)
         for rows in _row_slices(codes):
             mm.add(rows, _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis),
                                           channel_wise, axis, view(rows)))
         return mm.out
-    weff = _scratch.take("weight", codes.shape, dtype, codes.device)
+    weff = ws.take("weight", codes.shape, dtype, codes.device)
     for rows in _row_slices(codes):
         _dequantize_into(codes[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis, weff[rows])
     return torch.nn.functional.linear(lhs, weff.t() if reduce else weff)
 
 
 @torch.no_grad()
-def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, transposed: bool
-                ) -> tuple[Tensor, Tensor | None]:
+def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, transposed: bool,
+                rt: LargeRuntime | None = None) -> tuple[Tensor, Tensor | None]:
     """(the eval forward without its bias, the ARQ scales or None), the effective weight built
     as in a training step: eval otherwise allocated two or three new weight-sized tensors per
     layer, which above glibc's mmap threshold are fresh pages every forward (at 1.1B parameters
     most of the eval forward's time, issue 19). The caller adds the bias, which on the int32
     grid depends on the scales."""
+    rt = LargeRuntime() if rt is None else rt
     y, scales = _product(x.reshape(-1, x.shape[-1]), w.detach(), mask, channel_wise, int(transposed),
-                         reduce=transposed)
+                         reduce=transposed, ws=rt.scratch)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
 
 
@@ -312,11 +322,46 @@ def fused_ok(x: Tensor, w: Tensor) -> bool:
 
 
 def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
-                        channel_wise: bool | None, transposed: bool) -> tuple[Tensor, Tensor | None]:
+                        channel_wise: bool | None, transposed: bool, rt: LargeRuntime | None = None
+                        ) -> tuple[Tensor, Tensor | None]:
     """(y, ARQ scales or None): ``F.linear(x, q(w * mask), b)`` (``w.t()`` when
     ``transposed``, HF Conv1D's layout) with straight-through gradients for ``w``; ``mask`` is
-    packed (``NMSparsifier.mask_bits``) and unpacked a slice of rows at a time."""
+    packed (``NMSparsifier.mask_bits``) and unpacked a slice of rows at a time. ``rt``: the
+    runtime whose buffers it reuses (a fresh one, used for this call only, when None)."""
     # The Function sees 2-D rows: its output is then a tensor of its own, not a view, so model
     # code may modify it in place (HF Wav2Vec2 does); the reshape outside is tracked as usual.
-    y, scales = _MaskedQuantLinear.apply(x.reshape(-1, x.shape[-1]), w, b, mask, channel_wise, transposed)
+    rt = LargeRuntime() if rt is None else rt
+    y, scales = _MaskedQuantLinear.apply(x.reshape(-1, x.shape[-1]), w, b, mask, channel_wise, transposed, rt)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
+
+
+# -- the layer forward's branch point (compressed/layer.py) -------------------------------------
+def takes_large_path(layer, x: Tensor) -> bool:
+    """Whether ``layer`` (a CompressedLayer) computes ``x`` here: a CPU input and weight, a
+    runtime attached at build (CPU models only), a Linear whose weight path is only a 2:4 mask
+    and/or ARQ, and an eager float forward (training with autograd, or eval without)."""
+    w = layer.weight
+    if getattr(layer, "large", None) is None or x.device.type != "cpu" or w.device.type != "cpu":
+        return False
+    if (layer.sparsity is None and layer.wts_quant is None) or not layer.plain_weight_path():
+        return False
+    return fused_ok(x, w) if layer.training else eval_ok(x, w)
+
+
+def large_forward(layer, x: Tensor) -> Tensor:
+    """``layer``'s output for ``x`` (``takes_large_path``): a training step with no weight-sized
+    allocation, or an eval forward built as a training step builds E (within a few ulps of the
+    plain ``effective_weight_bias`` product)."""
+    w, q, rt = layer.weight, layer.wts_quant, layer.large
+    mask = None if layer.sparsity is None else layer.sparsity.current_bits(w)
+    channel_wise = None if q is None else q.channel_wise
+    if layer.training:
+        y, scales = masked_quant_linear(x, w, layer.bias, mask, channel_wise, layer.kind == "linear_t", rt)
+        layer._saw_scales(scales)
+        return y
+    y, scales = eval_linear(x, w, mask, channel_wise, layer.kind == "linear_t", rt)
+    b = layer.bias
+    if q is not None and b is not None:
+        b = layer._bias_on_int32_grid(w, b, scales)
+    layer._saw_scales(scales)
+    return y if b is None else y.add_(b)

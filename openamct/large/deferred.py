@@ -25,7 +25,6 @@ only shape and dtype otherwise.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 
 import onnx
@@ -34,10 +33,10 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.utils.weak import WeakIdKeyDictionary
 
-from openamct._memory import zero_mapped
+from openamct.large.memory import zero_mapped
 
-__all__ = ["DeferredWeight", "DeferredTable", "WriteScratch", "placeholder_value", "is_placeholder", "zero_view",
-           "zero_twin", "release_zero_pages", "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN"]
+__all__ = ["DeferredWeight", "DeferredTable", "WriteScratch", "ZeroPages", "placeholder_value", "is_placeholder",
+           "zero_twin", "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN"]
 
 PLACEHOLDER_DOMAIN = "openamct"
 _PLACEHOLDER_OP = "Weight"
@@ -54,6 +53,7 @@ class DeferredWeight:
     quantize: torch.nn.Module | None = None
     transposed: bool = False
     _placeholder: tuple | None = field(default=None, repr=False)
+    zeros: ZeroPages | None = field(default=None, repr=False)  # the save's (streamed_save.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,7 +88,7 @@ class DeferredWeight:
         """The eval-mode effective weight (layout as stored by the layer). A Linear whose weight
         path is a 2:4 mask and/or ARQ goes through the training step's ``_effective`` into the
         scratch (the same values bit for bit: tests) instead of two new weight-sized tensors."""
-        from openamct.compressed.fused_linear import _effective
+        from openamct.large.fused_linear import _effective
 
         layer = self.layer
         if scratch is None or not layer.plain_weight_path():
@@ -103,8 +103,10 @@ class DeferredWeight:
     def placeholder(self) -> Tensor:
         """Right shape and dtype, zeros no page backs (what a trace computes with)."""
         shape = self.stored_shape
-        if self._placeholder is None or self._placeholder[1] != shape:  # (a Python tuple: no traced sizes)
-            self._placeholder = (zero_view(shape, self.dtype), shape)
+        if self.zeros is None:  # an export outside a streamed save: zeros of this weight's own
+            self.zeros = ZeroPages()
+        if self._placeholder is None or self._placeholder[1] != shape or not self.zeros.holds(self._placeholder[0]):
+            self._placeholder = (self.zeros.view(shape, self.dtype), shape)  # (a Python tuple: no traced sizes)
         return self._placeholder[0]
 
 
@@ -161,9 +163,11 @@ def placeholder_value(deferred: DeferredWeight, key: str) -> Tensor:
     return _Placeholder.apply(_ANCHOR, key, deferred)
 
 
-class _ZeroPages(threading.local):
-    """Per dtype one private anonymous mapping (``_memory.zero_mapped``), grown to the largest
-    placeholder: only read, its pages are the kernel's zero page, so placeholders add no RSS."""
+class ZeroPages:
+    """Per dtype one private anonymous mapping (``memory.zero_mapped``), grown to the largest
+    placeholder: only read, its pages are the kernel's zero page, so placeholders add no RSS.
+    One per export (``streamed_save``), released after its trace. Each tensor it gives carries
+    it as ``_openamct_zeros``, so an op on a placeholder (``zero_twin``) finds its owner."""
 
     def __init__(self) -> None:
         self.flat: dict[torch.dtype, Tensor] = {}
@@ -180,7 +184,9 @@ class _ZeroPages(threading.local):
             self.kept[flat.untyped_storage().data_ptr()] = flat
         # A tensor of its own over the storage, not a view: the tracer fails on two views of
         # one base (two placeholders) that it never saw.
-        return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
+        out = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
+        out._openamct_zeros = self
+        return out
 
     def twin(self, t: Tensor, dtype: torch.dtype) -> Tensor:
         """Zeros of ``t``'s shape in ``dtype``, the same tensor for the same ``t``: made in the
@@ -200,30 +206,19 @@ class _ZeroPages(threading.local):
         self.kept.clear()
 
 
-_ZEROS = _ZeroPages()
-
-
-def zero_view(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Contiguous zeros of ``shape`` that no page backs: the values of a placeholder, or of an
-    op on one (the deploy model's dequantized weights). Valid until ``release_zero_pages``."""
-    return _ZEROS.view(tuple(shape), dtype)
-
-
 def zero_twin(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``zero_view`` of ``t``'s shape, one per ``t`` (what an op on a placeholder returns)."""
-    return _ZEROS.twin(t, dtype)
-
-
-def release_zero_pages() -> None:
-    """Unmap the placeholders' zeros (a save calls it after each model's export)."""
-    _ZEROS.release()
+    """Zeros of ``t``'s shape from the ``ZeroPages`` that made placeholder ``t``, one per ``t``
+    (what an op on a placeholder returns); plain zeros for a zero-stride one."""
+    zeros = getattr(t, "_openamct_zeros", None)
+    return torch.zeros(t.shape, dtype=dtype) if zeros is None else zeros.twin(t, dtype)
 
 
 def is_placeholder(t: Tensor) -> bool:
     """A placeholder, a zero view, or any tensor of one element repeated: values that mean nothing."""
     if t.dim() == 0:
         return False
-    return all(st == 0 for st in t.stride()) or (t.device.type == "cpu" and _ZEROS.holds(t))  # (strides are never traced)
+    zeros = getattr(t, "_openamct_zeros", None)  # (strides are never traced)
+    return all(st == 0 for st in t.stride()) or (zeros is not None and zeros.holds(t))
 
 
 def _is_placeholder(node: onnx.NodeProto) -> bool:

@@ -33,16 +33,11 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils.weak import WeakIdKeyDictionary
 
-from openamct._memory import zero_mapped
-from openamct.compressed.grad_pool import GRADIENTS
 from openamct.graph.layers import module_aliases, parameter_owners
+from openamct.large.memory import zero_mapped
 from openamct.quant.functions import graph_mode
 
 __all__ = ["PooledGradEmbedding", "pool_embedding_grads"]
-
-# weight -> ((its pooled buffer's address, the buffer's version), the rows written since it was
-# last all zero): what a backward must zero again before it adds.
-_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class PooledGradEmbedding(nn.Embedding):
@@ -51,35 +46,39 @@ class PooledGradEmbedding(nn.Embedding):
 
     def forward(self, input: Tensor) -> Tensor:
         w = self.weight
-        if (torch.is_grad_enabled() and w.requires_grad and w.device.type == "cpu" and w.is_floating_point()
+        rt = self.__dict__.get("large")
+        if (rt is not None and torch.is_grad_enabled() and w.requires_grad and w.device.type == "cpu"
+                and w.is_floating_point()
                 and self.max_norm is None and not self.sparse and not self.scale_grad_by_freq
                 and input.dtype in (torch.int64, torch.int32) and not graph_mode()):
-            return _EmbeddingGrad.apply(input, w, self.padding_idx)
+            return _EmbeddingGrad.apply(input, w, self.padding_idx, rt)
         return super().forward(input)
 
     def train(self, mode: bool = True) -> PooledGradEmbedding:
-        if not mode:  # as a compressed layer does: eval and export hold no gradient buffers
-            GRADIENTS.release()
+        rt = self.__dict__.get("large")
+        if not mode and rt is not None:  # as a compressed layer does: eval and export hold no gradient buffers
+            rt.release()
         return super().train(mode)
 
 
 class _EmbeddingGrad(Function):
     @staticmethod
-    def forward(ctx, ids: Tensor, w: Tensor, padding_idx: int | None) -> Tensor:
+    def forward(ctx, ids: Tensor, w: Tensor, padding_idx: int | None, rt) -> Tensor:
         ctx.save_for_backward(ids, w)
-        ctx.padding_idx = padding_idx
+        ctx.padding_idx, ctx.rt = padding_idx, rt
         return F.embedding(ids, w, padding_idx)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         ids, w = ctx.saved_tensors  # (only a weight that requires grad comes this way)
-        out = GRADIENTS.out_for(w, g, new=_zeroed_like)
+        pool, written = ctx.rt.grads, ctx.rt.embedding_rows
+        out = pool.out_for(w, g, new=lambda t: _zeroed_like(t, written))
         rows = ids.reshape(-1)
         if out is None:
             gw = torch.zeros_like(w)
         else:
             gw = out
-            seen = _WRITTEN.pop(w, None)
+            seen = written.pop(w, None)
             if seen is not None and seen[0] == (gw.data_ptr(), gw._version):
                 gw.index_fill_(0, seen[1], 0)
             else:
@@ -88,27 +87,29 @@ class _EmbeddingGrad(Function):
         if ctx.padding_idx is not None:
             gw[ctx.padding_idx].zero_()
         if out is None:
-            return None, gw, None
-        _WRITTEN[w] = ((gw.data_ptr(), gw._version), rows.to(torch.int64, copy=True))
-        return None, GRADIENTS.handed(gw), None
+            return None, gw, None, None
+        written[w] = ((gw.data_ptr(), gw._version), rows.to(torch.int64, copy=True))
+        return None, pool.handed(gw), None, None
 
 
-def _zeroed_like(w: Tensor) -> Tensor:
+def _zeroed_like(w: Tensor, written: WeakIdKeyDictionary) -> Tensor:
     """A new pool buffer for ``w``: zero, its pages mapped only where written; recorded as all
-    zero in ``_WRITTEN``."""
+    zero in ``written`` (weight -> ((its pooled buffer's address, the buffer's version), the rows
+    written since it was last all zero): what a backward must zero again before it adds)."""
     buf = zero_mapped(w)
-    _WRITTEN[w] = ((buf.data_ptr(), buf._version), torch.empty(0, dtype=torch.int64))
+    written[w] = ((buf.data_ptr(), buf._version), torch.empty(0, dtype=torch.int64))
     return buf
 
 
-def pool_embedding_grads(model: nn.Module) -> list[str]:
+def pool_embedding_grads(model: nn.Module, runtime) -> list[str]:
     """Make the plain, unshared embedding tables of ``model`` (a working copy) pool their weight
-    gradient; returns their names."""
+    gradient in ``runtime`` (a ``LargeRuntime``); returns their names."""
     owners, aliases = parameter_owners(model), module_aliases(model)
     done = []
     for name, m in model.named_modules():
         if type(m) is nn.Embedding and len(owners[id(m.weight)]) == 1 and len(aliases[id(m)]) == 1 \
                 and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq:
             m.__class__ = PooledGradEmbedding
+            m.large = runtime
             done.append(name)
     return done

@@ -23,31 +23,14 @@ import onnx
 import torch
 
 from openamct._atomic import atomic_path
-from openamct.export.deferred import DeferredWeight, WriteScratch, strip_placeholders
+from openamct.export.ids import SAVE_ID_KEY, hash_model, tensor_bytes
+from openamct.large.deferred import DeferredWeight, WriteScratch, strip_placeholders
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAVE_ID_KEY", "Staged", "stage_streamed", "tensor_bytes", "hash_model"]
+__all__ = ["Staged", "stage_streamed"]
 
-SAVE_ID_KEY = "openamct_save_id"  # metadata_props key: the two files of one save carry one id
 _ALIGN = 4096  # external tensors start on a page: ONNX Runtime can map them instead of reading
-
-
-def tensor_bytes(model: onnx.ModelProto) -> int:
-    total = sum(len(t.raw_data) for t in model.graph.initializer)
-    return total + sum(len(a.t.raw_data) for n in model.graph.node for a in n.attribute if a.HasField("t"))
-
-
-def hash_model(h, model: onnx.ModelProto) -> None:
-    """Feed one in-memory model of a save into the pair's id."""
-    g = model.graph
-    for part in (*g.node, *g.input, *g.output):
-        h.update(part.SerializeToString(deterministic=True))
-    for t in g.initializer:
-        h.update(t.name.encode())
-        h.update(repr(tuple(t.dims)).encode())
-        h.update(t.raw_data)
-    h.update(b"\0")
 
 
 def _stamp_tail(save_id: str) -> bytes:

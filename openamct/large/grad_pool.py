@@ -36,21 +36,24 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GradPool", "GRADIENTS"]
-
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; absent from some builds
+__all__ = ["GradPool", "use_count_api"]
 
 
-def _alone_count() -> int | None:
-    """What ``_use_count`` reports for a storage that one tensor alone uses, asked as ``_free``
+def use_count_api():
+    """torch's private ``torch._C._storage_Use_Count`` (how many tensors use a storage), or None
+    where this torch has no such function: the pool then lends nothing and every backward
+    allocates its gradient, the plain path. ``tests/unit/test_grad_pool.py`` fails loudly if
+    torch removes or changes it."""
+    return getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _alone_count(use_count) -> int | None:
+    """What ``use_count`` reports for a storage that one tensor alone uses, asked as ``_free``
     asks (the storage object made to ask may or may not count): measured, not assumed."""
-    if _use_count is None:
+    if use_count is None:
         return None
     t = torch.empty(1)
-    return _use_count(t.untyped_storage()._cdata)
-
-
-_ALONE = _alone_count()
+    return use_count(t.untyped_storage()._cdata)
 
 
 class GradPool:
@@ -59,6 +62,8 @@ class GradPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._use_count = use_count_api()
+        self._alone = _alone_count(self._use_count)  # None: nothing is pooled
 
     def out_for(self, w: Tensor, like: Tensor, codes: Tensor | None = None,
                 new: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
@@ -67,7 +72,7 @@ class GradPool:
         ``codes``: what ``codes_for`` gave this backward's forward, which the caller has read
         for the last time (it may be overwritten). ``new(w)``: makes a buffer when one is due
         (default: ``empty_like``)."""
-        if _ALONE is None or torch.is_grad_enabled() or not w.is_leaf or like.dtype != w.dtype \
+        if self._alone is None or torch.is_grad_enabled() or not w.is_leaf or like.dtype != w.dtype \
                 or like.device != w.device or not w.is_contiguous():
             return None
         with self._lock:
@@ -77,7 +82,7 @@ class GradPool:
                     del self._held[w]
                 return None
             spent = int(codes is not None and buf is not None and _same_storage(buf, codes))
-            if not _fits(buf, w) or not _free(buf, spent):
+            if not _fits(buf, w) or not self._free(buf, spent):
                 buf = self._new(w, new)
             return buf
 
@@ -86,7 +91,7 @@ class GradPool:
         training forward's grid values, or None (give them a buffer of their own). Only for a
         weight whose backward will want that buffer: a leaf that requires grad and has no
         ``.grad``, whose buffer nothing else uses."""
-        if _ALONE is None or not (w.is_leaf and w.requires_grad and w.is_contiguous()):
+        if self._alone is None or not (w.is_leaf and w.requires_grad and w.is_contiguous()):
             return None
         with self._lock:
             if w.grad is not None:
@@ -94,7 +99,7 @@ class GradPool:
             buf = self._held.get(w)
             if not _fits(buf, w):
                 buf = self._new(w)
-            elif not _free(buf):
+            elif not self._free(buf):
                 return None
             return torch.empty(0, dtype=torch.int8, device=w.device).set_(buf.untyped_storage(), 0, w.shape)
 
@@ -118,8 +123,10 @@ class GradPool:
     def __len__(self) -> int:
         return len(self._held)
 
-
-GRADIENTS = GradPool()  # every pooled weight gradient (compressed Linears, embedding tables)
+    def _free(self, buf: Tensor, spent: int = 0) -> bool:
+        # Any user of the storage besides ``buf`` (.grad, a view, a kept reference) adds one;
+        # ``spent``: users known to be done with it (the backward's codes, read already).
+        return self._use_count(buf.untyped_storage()._cdata) <= self._alone + spent
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
@@ -128,9 +135,3 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 
 def _fits(buf: Tensor | None, w: Tensor) -> bool:
     return buf is not None and (buf.shape, buf.dtype, buf.device) == (w.shape, w.dtype, w.device)
-
-
-def _free(buf: Tensor, spent: int = 0) -> bool:
-    # Any user of the storage besides ``buf`` (.grad, a view, a kept reference) adds one;
-    # ``spent``: users known to be done with it (the backward's codes, read already).
-    return _use_count(buf.untyped_storage()._cdata) <= _ALONE + spent
