@@ -83,6 +83,12 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
                 not mine.is_floating_point() and value.dtype != mine.dtype and value.numel())):
             raise ValueError(f"{where}: {key!r} has dtype {value.dtype} but the model's is {mine.dtype}: save "
                              "the checkpoint from the model that create_*/restore_* returned, without casting it")
+        if value.is_floating_point() and value.dtype != mine.dtype and not _holds_exactly(value.dtype, mine.dtype):
+            # A float16/bfloat16 copy of a float32 model has lost its low bits: the restored model
+            # would no longer compute what was trained, and upcasting cannot bring them back.
+            raise ValueError(f"{where}: {key!r} has dtype {value.dtype}, which cannot hold the model's {mine.dtype} "
+                             "values exactly (the checkpoint was cast down): save the state_dict of the model "
+                             "create_*/restore_* returned, as trained, without casting it")
         if key not in sliced and value.is_floating_point() and not all_finite(value):  # (isfinite: 2.8x the tensor)
             _not_finite(key, value, where)
         if key.endswith(".mask"):
@@ -102,6 +108,12 @@ def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor
                                   f"inverted clips ({key!r} = {cmax:g}, {cmin_key!r} = {cmin:g}) leave the "
                                   "quantizer an empty range: its input quantizes to one value"))
     return collapsed
+
+
+def _holds_exactly(have: torch.dtype, want: torch.dtype) -> bool:
+    """Every ``want`` value converts to ``have`` and back unchanged (float64 holds float32)."""
+    a, b = torch.finfo(have), torch.finfo(want)
+    return a.bits >= b.bits and a.eps <= b.eps and a.max >= b.max
 
 
 def _not_finite(key: str, value: torch.Tensor, where: str) -> None:
