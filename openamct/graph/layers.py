@@ -67,6 +67,10 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
     owners = parameter_owners(model)
     aliases = module_aliases(model)
 
+    # Parameters a torch function reads directly (``F.linear(h, self.l1.weight)``) besides their
+    # module's own call: compressing the module would give that second use a folded or
+    # placeholder weight in export, unlike the float weight the trained model reads.
+    functional = {i.param_name for n in graph.nodes if n.kind == "function" for i in n.inputs if i.param_name}
     layers: dict[str, LayerInfo] = {}
     for name, module in model.named_modules():
         row = layer_type_of(module)
@@ -86,6 +90,8 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
             info.excluded = NEVER_CALLED
         elif calls > 1:
             info.excluded = f"called {calls} times in one forward (reused module)"
+        elif any(f"{name}.{p}" in functional for p, _ in module.named_parameters(recurse=False)):
+            info.excluded = "its weight is also read outside its own forward (a functional use such as F.linear)"
         elif shared:
             info.excluded = f"shares its parameters with {', '.join(sorted(set(shared)))}"
         layers[name] = info
