@@ -47,10 +47,14 @@ def check_record_values(record: ScaleOffsetRecord, where: str) -> None:
         if pr.HasField("selective_prune"):
             name = pr.selective_prune.name
             algo = next((a.s for a in pr.selective_prune.attr if a.name == "algorithm"), b"")
-            key = f"{algo!r}:{name}"
+            # One module may hold one entry per role (activation_quant: a wrapped SiLU's quantizers
+            # and, when a quantized layer and residual Adds read its output, a "residual" entry).
+            op = next((a.s for a in pr.selective_prune.attr if a.name == "op"), b"")
+            key = f"{algo!r}:{op!r}:{name}"
             if key in masks:
-                raise ValueError(f"{where}: prune_record[{i}] (selective_prune {name!r}) repeats the layer of "
-                                 f"prune_record[{masks[key]}]: one mask per layer")
+                what = f" {op.decode(errors='replace')}" if op else ""
+                raise ValueError(f"{where}: prune_record[{i}] (selective_prune{what} {name!r}) repeats the entry of "
+                                 f"prune_record[{masks[key]}]: one entry per layer and role")
             masks[key] = i
             continue
         for node in pr.producer:
