@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from openamct.compressed.clip_grad import input_clip_grad
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
-from openamct.large.fused_linear import large_forward, takes_large_path
 from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
@@ -64,7 +63,9 @@ class CompressedLayer(WeightOp):
         self.input_on_grid = False  # LayerParts.input_on_grid
         self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
         self._scales_seen: tuple | None = None  # (weight key, scales) of the last eval/train forward
-        self.large = None  # the model's LargeRuntime when build attached one (CPU models): large/
+        # The layer forward's branch point: the model's runtime (``takes``/``forward``/``release``)
+        # when build attached one (a CPU model: openamct.large); None keeps the plain path.
+        self.large = None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -230,8 +231,10 @@ class CompressedLayer(WeightOp):
                 x = self.act_quant(x)
         if self.bn is not None and self.bn.training:
             y = self._forward_fold_train(x, tap)
-        elif tap is None and takes_large_path(self, x):  # branch point: the CPU large-model Linear
-            y = large_forward(self, x)
+        elif tap is None and self.large is not None and self.large.takes(self, x):
+            # Branch point: ``large``, set by build on a model whose tensors are all on the CPU,
+            # computes a plain-weight-path Linear on CPU tensors with no weight-sized temporaries.
+            y = self.large.forward(self, x)
         else:
             y = self._op_tap(x, *self.effective_weight_bias(), tap)
         if self.out_observer is not None:

@@ -2,7 +2,7 @@
 
 Why: ``np.unpackbits`` and the 2:4 comparisons return new tensors per call, a few MB per slice
 of rows; above glibc's mmap threshold each is a fresh mapping that page-faults again on every
-slice. The packed layout and the plain (allocating) functions are ``prune/mask_codec.py``'s and
+slice. The packed layout and the plain (allocating) functions are ``record/mask_codec.py``'s and
 ``prune/nm_keep.py``'s; these give the same bits from buffers the caller owns (a
 ``LargeRuntime``'s, or one made for a single mask recompute).
 """
@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from openamct.large.workspace import Workspace
-from openamct.prune.mask_codec import _elements_of_rows, packed_size, unpack_rows
 from openamct.prune.nm_keep import _vote24
+from openamct.record.mask_codec import _elements_of_rows, packed_size, unpack_rows
 
 __all__ = ["unpack_rows_reused", "keep24_into"]
 
@@ -54,3 +54,10 @@ def keep24_into(x: Tensor, axis: int, ws: Workspace) -> Tensor:
     keep = ws.take("keep", groups.shape, torch.bool, dev)
     _vote24(pos, keep.unbind(axis + 1), lambda name: ws.take(name, pos[0].shape, torch.bool, dev))
     return keep.flatten(axis, axis + 1)
+
+
+def keep24_in_workspace(axis: int):
+    """``NMSparsifier.keep24`` on CPU models: the keep-flags function of one mask recompute
+    along ``axis``, every slice's temporaries in one ``Workspace`` made here for it."""
+    ws = Workspace()
+    return lambda x: keep24_into(x, axis, ws)

@@ -136,3 +136,13 @@ def fast_merge(text: str, message) -> None:
 def _flush(msg, pending: dict) -> None:
     for name, values in pending.items():
         getattr(msg, name).extend(values)
+
+
+def merge_or_decline(text: str, message) -> bool:
+    """``record.file_io.FastText.merge``: ``fast_merge``, False where the text leaves the plain
+    subset (``text_format`` then reads it)."""
+    try:
+        fast_merge(text, message)
+    except Unsupported:
+        return False
+    return True

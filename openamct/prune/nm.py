@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
-from openamct.prune.mask_codec import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
 from openamct.prune.nm_keep import _check_int, compute_nm_mask, nm_keep_flags
 from openamct.quant.functions import graph_mode
+from openamct.record.mask_codec import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,10 @@ class NMSparsifier(nn.Module):
         # device sync per layer per step on accelerators. Refreshed on every state_dict load.
         self._ready = False
         self._step = 0
+        # The 2:4 recompute's branch point (``_keep_of``): ``keep24(axis)`` -> a keep-flags
+        # function for one recompute, set by build on a CPU model (openamct.large); None: the
+        # plain ``nm_keep_flags``.
+        self.keep24 = None
 
     @classmethod
     def from_module(cls, module: nn.Module, update_freq: int) -> NMSparsifier:
@@ -296,7 +300,7 @@ class NMSparsifier(nn.Module):
         pieces, groups = self._pieces()
         per_row = w[0].numel()
         changed = torch.zeros((), dtype=torch.bool, device=self.mask_bits.device)
-        keep_of = _keep_of(w, self.axis, groups)
+        keep_of = _keep_of(w, self.axis, groups, self.keep24)
         for rows in pieces:
             changed |= write_bits(self.mask_bits, rows.start * per_row, keep_of(w[rows]))
         self._mark_installed(changed)
@@ -368,17 +372,13 @@ class NMSparsifier(nn.Module):
         self._step = int(self.step.item())
 
 
-def _keep_of(w: Tensor, axis: int, groups: int):
-    """A slice's 2:4 keep-flags for a recompute of ``w``. Branch point: on the CPU, when no
-    2:4 group is padded or cut by a conv group, ``large.mask_bits.keep24_into`` computes them
-    in one workspace made for this recompute (no fresh temporaries per slice); otherwise the
-    plain ``nm_keep_flags``."""
-    if w.device.type == "cpu" and w.shape[axis] % (4 * groups) == 0:
-        from openamct.large.mask_bits import keep24_into
-        from openamct.large.workspace import Workspace
-
-        ws = Workspace()
-        return lambda x: keep24_into(x, axis, ws)
+def _keep_of(w: Tensor, axis: int, groups: int, keep24=None):
+    """A slice's 2:4 keep-flags for a recompute of ``w``. Branch point: with ``keep24`` (the
+    sparsifier's, set on CPU models), a CPU weight and no 2:4 group padded or cut by a conv
+    group, ``keep24(axis)`` (in one workspace made for this recompute, no fresh temporaries per
+    slice); otherwise the plain ``nm_keep_flags``."""
+    if keep24 is not None and w.device.type == "cpu" and w.shape[axis] % (4 * groups) == 0:
+        return keep24(axis)
     return lambda x: nm_keep_flags(x, axis, 2, 4, groups)
 
 

@@ -23,10 +23,10 @@ import torch
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, PRUNE_SKIPPED, prune_kind, winning_block
 from openamct.config.specs import NMSpec
-from openamct.large.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
-from openamct.prune.mask_codec import bits_of_words, num_words, pack_mask, unpack_bits, unpack_rows
 from openamct.record import attrs
+from openamct.record.mask_codec import bits_of_words, num_words, pack_mask, unpack_bits, unpack_rows
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
+from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
 from openamct.techniques.base import Context, Technique, selective_algorithm
 
 logger = logging.getLogger(__name__)

@@ -70,8 +70,8 @@ def save_atomically(obj: dict, path: str) -> None:
 
 
 def journal_record_writes(workdir: str) -> None:
-    from openamct.record import keeper as session
     from openamct.record.file_io import record_to_text
+    from openamct.training import keeper as session
 
     journal = open(os.path.join(workdir, JOURNAL), "a")
     journal.write("\n")  # ends a line a kill may have cut short
