@@ -34,7 +34,7 @@ def _read(pth_file: str, state_dict_name: str | None) -> tuple[Mapping[str, torc
     try:
         try:
             # Memory-mapped: a billion-parameter checkpoint is read into the model's own tensors
-            # a part at a time, never held whole beside them (issue 19, ``load_into``).
+            # a part at a time, never held whole beside them (``load_into``).
             ckpt, mapped = torch.load(pth_file, map_location="cpu", weights_only=True, mmap=True), True
         except Exception:  # a legacy (non-zip) file cannot be mapped; any other fault repeats below
             ckpt, mapped = torch.load(pth_file, map_location="cpu", weights_only=True), False
@@ -74,7 +74,7 @@ def with_metadata(part: Mapping, sd: Mapping) -> Mapping:
 def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], where: str,
                   sliced: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """Each value of ``own``'s keys as it enters: dtype kind, finiteness (of ``sliced`` keys: as
-    their slices are copied), 0/1 masks, clip order (issue 16); the collapsed quantizers found,
+    their slices are copied), 0/1 masks, clip order; the collapsed quantizers found,
     for one warning."""
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():

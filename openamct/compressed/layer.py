@@ -3,7 +3,7 @@ Linear becomes, whatever techniques compress it.
 
 Weight path: w -> 2:4 mask -> further masks -> BN scale (if a BN is folded) -> weight quantizer.
 
-BN folding (SPEC §4). Eval (and a BN in eval mode): the exact fold, op(x, q(w*g/s), (b-mu)*g/s+beta).
+BN folding (docs/dev/reference.md, Algorithms). Eval (and a BN in eval mode): the exact fold, op(x, q(w*g/s), (b-mu)*g/s+beta).
 Training: torch.ao's approximate fold, y = BN_train(op(x, q(w*c)) / c + b), c = g/sqrt(running_var
 + eps). When the weight quantizer is per-output-channel symmetric ARQ, q(w*c) = c*q(w) exactly (in
 real arithmetic), so that expression equals BN_train(op(x, q(w), b)) and the multiply and divide
@@ -198,7 +198,7 @@ class CompressedLayer(WeightOp):
         seen = self._scales_seen
         if seen is not None and seen[0] == self._weight_key():
             # What the last forward quantized with: a record built in that forward's hook (or
-            # after it, weights untouched) needs no second pass over the weight (issue 19).
+            # after it, weights untouched) needs no second pass over the weight.
             return seen[1]
         return self.wts_quant.scales(self._folded_weight(step=False).detach())
 

@@ -129,7 +129,7 @@ class ExportLayer(WeightOp):
         """The stored weight as the op reads it. A deferred one is its placeholder, in eager
         calls too: a folded model with deferred weights exists to be exported, and its eager
         calls (``export_signature``'s probe) only need shapes; computing each weight there
-        would cost a weight-sized temporary per layer for nothing (issue 19)."""
+        would cost a weight-sized temporary per layer for nothing."""
         if self._deferred is not None:
             return self._deferred.placeholder_value(f"{self._path}.{self._wname}")
         return getattr(self, self._wname)
@@ -175,7 +175,7 @@ class ExportLayer(WeightOp):
     def _store_transposed(self) -> None:
         """Keep W^T ([in, out], ``weight_t``) instead of W. The exporter would otherwise fold
         Transpose(W) into a new initializer, a second copy of every such weight while it runs
-        (issue 19: a Llama's every Linear). Done at the first eager call (``export_signature``
+        (a Llama's every Linear). Done at the first eager call (``export_signature``
         runs one before tracing); the file gets the same MatMul and Add as before."""
         if self._deferred is not None:
             self._deferred.transposed = True
@@ -223,7 +223,7 @@ class _Dequantize(Function):
 class WeightDQ(nn.Module):
     """The deploy model's weight: int8 values (``quantize``) and the trained scales, per output
     channel on ``axis`` or one (``axis`` None). Stored as int8 in torch already, so exporting
-    the deploy model carries a quarter of the float weight bytes (issue 19)."""
+    the deploy model carries a quarter of the float weight bytes."""
 
     def __init__(self, scales: Tensor, axis: int | None) -> None:
         super().__init__()
@@ -235,7 +235,7 @@ class WeightDQ(nn.Module):
     def quantize(self, w: Tensor, out: Tensor | None = None) -> Tensor:
         """int8 of the (already fake-quantized) float weight: round(w / s) as numpy's rint,
         into ``out`` when given. A slice of rows at a time: the float temporaries stay small
-        (a weight-sized one per layer fragments the heap for the rest of a save, issue 19)."""
+        (a weight-sized one per layer fragments the heap for the rest of a save)."""
         w = w.detach()
         out = torch.empty(w.shape, dtype=torch.int8) if out is None else out
         s = self.scales

@@ -1,7 +1,7 @@
 """``export_pair``: write the fake-quant and the deploy ONNX models of a compressed model.
 
-Exporter: the TorchScript one (``dynamo=False``, opset 17). Measured here (torch 2.13) on the
-folded ResNet-18: 0.8-1.1 s per model against 4.7 s for dynamo, which also fails on the deploy
+Exporter: the TorchScript one (``dynamo=False``, opset 17). Measured with torch 2.13 on the
+folded ResNet-18 (2-core EPYC): 0.8-1.1 s per model against 4.7 s for dynamo, which also fails on the deploy
 model (torch.export error); it takes ``dynamic_axes``/``input_names`` as AMCT users pass them,
 keeps parameter names as initializer names (the deploy post-pass finds each layer's observer by
 its weight name), and turns ``fake_quantize_*`` into plain QuantizeLinear/DequantizeLinear.
@@ -61,7 +61,7 @@ def export_to_file(model: nn.Module, input_data: Any, folder: str, input_names=N
                    dynamic_axes=None) -> str:
     """TorchScript export into ``folder`` (``model.onnx``; above 2 GB the exporter writes one
     file per tensor beside it). Split from any load so a caller can free the model in between:
-    the exporter's own copy and a loaded proto then never coexist with it (issue 19)."""
+    the exporter's own copy and a loaded proto then never coexist with it."""
     args, kwargs = split_input_data(input_data)
     # Names both files share (signature.py); the exporter's own differ per file.
     target, args, kwargs, default_in, default_out = export_signature(model, args, kwargs)

@@ -1,4 +1,4 @@
-"""Folded weights that are computed when they are written, not held (issue 19).
+"""Folded weights that are computed when they are written, not held.
 
 Holding every layer's folded weight at once costs a second copy of the model while a save
 runs (the fake-quant model's float weights: 1 W; the deploy model's int8: 0.25 W, plus the
@@ -10,10 +10,10 @@ only shape and dtype otherwise.
   ``openamct::Weight(key=<name>)``. The exporter never sees the values, so it neither copies
   nor serialises them. Eager calls (``export_signature``'s probe) compute with it too: only the
   output's structure matters there. So a folded model with deferred weights is for export
-  only. A placeholder is contiguous zeros over a mapping no page backs (``_ZeroPages``): a
-  zero-stride one made each matmul copy it out whole first, the weight's size in new pages per
-  layer and per forward, four forwards per save (at 1.1B parameters the save faulted 9.08 GB,
-  now 2.23 GB). Reading ``layer.weight`` computes the real one,
+  only. A placeholder is contiguous zeros over a mapping no page backs (``ZeroPages``): a
+  zero-stride one would make each matmul copy it out whole first, the weight's size in new pages
+  per layer and per forward, four forwards per save (at 1.1B parameters a save faulted 9.08 GB
+  that way, 2.23 GB with zero pages). Reading ``layer.weight`` computes the real one,
   except while a trace runs (model code reads its dtype there: HF ViT, T5), where it is a
   zero-stride tensor of the right shape.
 - ``bind_placeholders`` renames each such node's output to the initializer name the file has
@@ -220,7 +220,7 @@ class ZeroPages:
 class ExportEmbedding(nn.Module):
     """A plain ``nn.Embedding`` whose table reads as a placeholder (a ``DeferredTable``), so the writer
     writes it straight from the model's tensor: at 1.1B parameters it is 262 MB that the
-    exporter, its proto and the writer each held once more (issue 19)."""
+    exporter, its proto and the writer each held once more."""
 
     def __init__(self, emb: nn.Embedding, path: str) -> None:
         nn.Module.__init__(self)

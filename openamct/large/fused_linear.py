@@ -1,7 +1,7 @@
 """The training step of a compressed Linear (2:4 mask and/or ARQ weights, no BN) as one
 autograd Function that never holds the effective weight E = q(w * mask) per layer.
 
-Why (issue 19). The composed path allocates two weight-sized tensors per layer per step (the
+Why: the composed path allocates two weight-sized tensors per layer per step (the
 masked weight, then the fake-quantized one that ``F.linear`` keeps for backward). Above glibc's
 mmap threshold (32 MB at most: a 2048x5632 Linear is 46 MB) every such allocation is a fresh
 mapping, so each step page-faults and zeroes them again; at 1.1B parameters that made the QAT
@@ -71,7 +71,7 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
     return the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or
     None.
 
-    A slice of rows at a time (issue 19): the mask, the scales' reduction and the three
+    A slice of rows at a time: the mask, the scales' reduction and the three
     quantize passes then run on 4 MB that stays in cache, instead of six trips through memory
     over the whole weight. Every element gets the same ops as on the whole tensor (a max is
     exact in any order), so the result is bit-identical."""
@@ -247,7 +247,7 @@ class _MaskedQuantLinear(Function):
             else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
                 gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales,
                               ws=rt.scratch)[0]
-        if need_w:  # straight through the mask and the quantizer (SPEC §4)
+        if need_w:  # straight through the mask and the quantizer (docs/dev/reference.md, Algorithms)
             lhs, rhs = (x.t(), g) if transposed else (g.t(), x)
             out = rt.grads.out_for(w, g, codes if ctx.codes_in_grad else None)  # gx has read them
             gw = lhs.mm(rhs) if out is None else rt.grads.handed(torch.mm(lhs, rhs, out=out))
@@ -293,7 +293,7 @@ def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | 
     """(the eval forward without its bias, the ARQ scales or None), the effective weight built
     as in a training step: eval otherwise allocated two or three new weight-sized tensors per
     layer, which above glibc's mmap threshold are fresh pages every forward (at 1.1B parameters
-    most of the eval forward's time, issue 19). The caller adds the bias, which on the int32
+    most of the eval forward's time). The caller adds the bias, which on the int32
     grid depends on the scales."""
     rt = _fresh_runtime() if rt is None else rt
     y, scales = _product(x.reshape(-1, x.shape[-1]), w.detach(), mask, channel_wise, int(transposed),

@@ -1,6 +1,6 @@
 """N:M (2:4) structured sparsity: mask computation and the training-time sparsifier module.
 
-Upstream AMCT's ``l1_selective_prune`` (SPEC.md section 4): along the weight's input-channel
+Upstream AMCT's ``l1_selective_prune`` (docs/dev/reference.md, Algorithms): along the weight's input-channel
 axis, every group of ``m`` consecutive weights (same output channel and kernel position) keeps
 its ``n`` largest magnitudes. The axis is zero-padded to a multiple of ``m`` and padding always
 counts as smaller than any real weight: the rule is exactly "keep the n largest of the m padded
@@ -103,7 +103,7 @@ def nm_eligible(module: nn.Module) -> tuple[bool, str]:
 def apply_mask(w: Tensor, mask: Tensor, out: Tensor | None = None) -> Tensor:
     """``w * mask`` (bit for bit, -0.0 and NaN included), into ``out`` when given. A bool mask
     is first widened into the result buffer: torch multiplies a float tensor by a bool one
-    through a float copy of the mask, 4x slower than this on a 46 MB weight (issue 19). While a
+    through a float copy of the mask, 4x slower than this on a 46 MB weight. While a
     graph is captured it is the plain ``Mul`` the exported model should hold."""
     if graph_mode():
         return w * mask
@@ -154,7 +154,7 @@ class NMSparsifier(nn.Module):
     """Applies a 2:4 mask to a weight: ``forward(w) -> w * mask``.
 
     State (all in the state_dict): ``mask_bits`` (uint8, the mask packed one bit per weight in
-    the record's bit order, see ``mask_bits.py``: an eighth of a byte per weight, issue 19;
+    the record's bit order, see ``mask_bits.py``: an eighth of a byte per weight;
     checkpoints with a bool or float 0/1 ``mask`` of the weight's shape still load),
     ``mask_ready`` (bool), ``step`` (int64, training forwards seen). ``mask`` reads the whole
     mask as bool (a new tensor). In training mode the mask is computed from ``w`` on the first
@@ -293,7 +293,7 @@ class NMSparsifier(nn.Module):
         """The mask of ``w``, a slice of rows at a time straight into ``mask_bits``: the
         comparisons' temporaries (a float |w| and six bool planes) then stay small enough to
         be reused from the heap and the cache, instead of mapping several weight-sized tensors
-        (at 1.1B parameters the first step spent 7 s page-faulting them, issue 19)."""
+        (at 1.1B parameters the first step spent 7 s page-faulting them)."""
         w = w.detach()
         if w.numel() == 0:
             return self._mark_installed(None)

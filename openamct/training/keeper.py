@@ -10,7 +10,7 @@ every rank of a DDP job can hold a keeper.
 A write that a training forward triggers (the first batch's 2:4 masks) is not done inside the
 step: the record is built from the model there (cheap: the layers hold their masks packed in
 the record's bit order, and the mask file's content is kept per set of mask versions), and serialised and written by one background thread while backward and the optimizer
-run (issue 19). At most one such write is in flight; ``wait()`` joins it, and everything that
+run. At most one such write is in flight; ``wait()`` joins it, and everything that
 reads or replaces the record joins it first: the next write, an eval-mode write, ``flush``
 (create, save), ``state_dict`` (a checkpoint must not be newer than the record it goes with
 unnoticed) and interpreter exit (the thread is not a daemon).
