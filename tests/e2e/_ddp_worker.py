@@ -82,10 +82,10 @@ def log_record_writes(rank: int) -> None:
 
     write = session.write_record
 
-    def logged(target, record, header=""):
+    def logged(target, record, header="", fast=None):
         with open(os.path.join(os.path.dirname(target), f"writes_rank{rank}.txt"), "a") as f:
             f.write(f"{target}\n")
-        write(target, record, header)
+        write(target, record, header, fast)
 
     session.write_record = logged
 

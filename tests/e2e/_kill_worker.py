@@ -77,12 +77,12 @@ def journal_record_writes(workdir: str) -> None:
     journal.write("\n")  # ends a line a kill may have cut short
     write = session.write_record
 
-    def journaled(path, record, header=""):
-        digest = hashlib.sha256((header + record_to_text(record)).encode("utf-8")).hexdigest()
+    def journaled(path, record, header="", fast=None):
+        digest = hashlib.sha256((header + record_to_text(record, fast)).encode("utf-8")).hexdigest()
         journal.write(digest + "\n")
         journal.flush()
         os.fsync(journal.fileno())
-        write(path, record, header)
+        write(path, record, header, fast)
 
     session.write_record = journaled
 
