@@ -1,4 +1,4 @@
-"""The AMCT-named public functions (SPEC §1). Thin: check the arguments, then call the pipeline.
+"""The AMCT-named public functions (docs/dev/reference.md, API contract). Thin: check the arguments, then call the pipeline.
 
 Signatures and argument order follow upstream amct_pytorch exactly, so AMCT scripts switch by
 changing the import line (``import openamct as amct``).

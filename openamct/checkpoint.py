@@ -34,7 +34,7 @@ def _read(pth_file: str, state_dict_name: str | None) -> tuple[Mapping[str, torc
     try:
         try:
             # Memory-mapped: a billion-parameter checkpoint is read into the model's own tensors
-            # a part at a time, never held whole beside them (issue 19, ``load_into``).
+            # a part at a time, never held whole beside them (``load_into``).
             ckpt, mapped = torch.load(pth_file, map_location="cpu", weights_only=True, mmap=True), True
         except Exception:  # a legacy (non-zip) file cannot be mapped; any other fault repeats below
             ckpt, mapped = torch.load(pth_file, map_location="cpu", weights_only=True), False
@@ -74,7 +74,7 @@ def with_metadata(part: Mapping, sd: Mapping) -> Mapping:
 def _check_values(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], where: str,
                   sliced: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """Each value of ``own``'s keys as it enters: dtype kind, finiteness (of ``sliced`` keys: as
-    their slices are copied), 0/1 masks, clip order (issue 16); the collapsed quantizers found,
+    their slices are copied), 0/1 masks, clip order; the collapsed quantizers found,
     for one warning."""
     collapsed: list[tuple[str, str]] = []
     for key, mine in own.items():
@@ -136,7 +136,7 @@ def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.T
     legacy = [k for k in sd if k.endswith(".mask") and k not in own and k + "_bits" in own and k + "_bits" not in sd]
     if not legacy:
         return sd
-    from openamct.prune.mask_codec import pack_bits
+    from openamct.record.mask_codec import pack_bits
 
     where = f"pth_file {pth_file!r}"
     sd = with_metadata(dict(sd), sd)
@@ -151,10 +151,15 @@ def _pack_legacy_masks(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.T
     return sd
 
 
-def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> None:
+def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None, load_parts=None) -> None:
     """Load strictly; a checkpoint of another model is a ValueError listing what differs, before
     anything is copied. Values are checked as they enter: a bad one fails the restore, which then
-    returns no model, and its working copy is dropped."""
+    returns no model, and its working copy is dropped.
+
+    ``load_parts`` is the load's branch point: the pipeline passes
+    ``openamct.large.chunked_load.load_in_parts`` for a CPU model, and a memory-mapped
+    checkpoint is then copied a part at a time, each part's file pages given back once copied;
+    ``load_parts(model, sd, own, from_file, where)`` returns the collapsed quantizers' names."""
     sd, mapped = _read(pth_file, state_dict_name)
     own = model.state_dict()
     from_file = set(sd) if mapped else set()  # not the masks packed below: those are new memory
@@ -174,12 +179,8 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None) -> N
         raise ValueError(f"pth_file {pth_file!r} does not match the compressed model (was it saved from the "
                          f"model that create_*/restore_* returned, with this config and record?): {'; '.join(parts)}")
     where = f"pth_file {pth_file!r}"
-    if mapped and all(t.device.type == "cpu" for t in own.values()):
-        # Branch point: a memory-mapped checkpoint into a CPU model is copied a part at a time,
-        # each part's file pages given back once copied (large/chunked_load.py).
-        from openamct.large.chunked_load import load_in_parts
-
-        collapsed = load_in_parts(model, sd, own, from_file, where)
+    if load_parts is not None and mapped and all(t.device.type == "cpu" for t in own.values()):
+        collapsed = load_parts(model, sd, own, from_file, where)  # branch point: see the docstring
     else:
         collapsed = _check_values(sd, own, where)
         model.load_state_dict(with_metadata(sd, sd), strict=False)  # keys and shapes matched above

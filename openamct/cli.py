@@ -131,7 +131,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_prune_search(args: argparse.Namespace) -> int:
-    from openamct.search.cli_support import search_from_cli
+    from openamct.cli_search import search_from_cli
 
     return _print_result("prune-search", lambda: search_from_cli(args, _load_factory), (ValueError, TypeError),
                          lambda text: text)

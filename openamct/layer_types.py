@@ -65,7 +65,7 @@ NM_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.nm)
 FILTER_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.filter == "active")
 ALL_TYPES = tuple(LAYER_TYPES)
 
-# Modules channel pruning slices along with a layer but never decides for (SPEC §4).
+# Modules channel pruning slices along with a layer but never decides for (BatchNorm follows its conv).
 BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

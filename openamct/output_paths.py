@@ -1,4 +1,4 @@
-"""Checks on the files a call will write, done before any work (issue 16).
+"""Checks on the files a call will write, done before any work.
 
 A call never overwrites one of its own inputs, and never overwrites a file that is not a
 previous output of the same kind: a record file must parse as a ScaleOffsetRecord text, an
@@ -70,7 +70,7 @@ def _probe_folder(arg: str, path: str, make_folder: bool = False) -> None:
 
 _BIG = 64 << 20  # an ONNX file larger than this is judged by its first field, not parsed whole
 # A record larger than this is judged by its first entry, not parsed whole: a 250M-parameter
-# model's record (3 MB of scales) took 4 s to parse, twice per save (issue 19).
+# model's record (3 MB of scales) took 4 s to parse, twice per save.
 _BIG_RECORD = 1 << 20
 _RECORD_START = re.compile(rb"\A(?:\s*#[^\n]*\n)*\s*(?:record|prune_record)\s*\{")
 

@@ -26,13 +26,13 @@ from openamct.graph.capture import capture_graph
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
 from openamct.graph.parametrized import evaluate_parametrizations
-from openamct.large.runtime import attach_runtime, large_path_wanted
+from openamct.large import attach as large
 from openamct.module_tree import set_module
 from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
-from openamct.record.keeper import RecordKeeper
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques import TECHNIQUES, Context, Technique, ordered
+from openamct.training.keeper import RecordKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
                          "to resume training use restore_* with the original model")
     techniques = ordered(techniques)  # before any work: a cycle or unknown name is refused here
     if restoring:
-        record = read_record(record_file)
+        record = read_record(record_file, large.RECORD_TEXT)
         _check_owned(record, techniques)
     else:
         folder = os.path.dirname(os.path.abspath(record_file))
@@ -111,8 +111,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
-    if large_path_wanted(work):  # branch point: a CPU model gets the large-model runtime (large/)
-        keeper.large = attach_runtime(work, layers)
+    large.at_build(work, keeper, layers)  # the large-model hooks (openamct/large/__init__.py)
     return work
 
 
@@ -147,7 +146,7 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     work = _build(model, input_data, config, record_file, api, True, config_arg, techniques)
-    load_into(work, pth_file, state_dict_name)
+    load_into(work, pth_file, state_dict_name, large.part_loader(work))
     try:
         work._openamct.after_checkpoint()
     except ValueError as exc:  # a technique refusing the checkpoint's values
@@ -193,7 +192,7 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         # ONNX export; the unfused path computes the same function.
         with _mha_fastpath(False):
             export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
-                        techniques=keeper.techniques)
+                        techniques=keeper.techniques, streamed_save=large.streamed_save(model))
     except torch.onnx.OnnxExporterError as exc:
         _remove_empty(made)
         raise explain_export_error(model, exc) from None

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
+from openamct.large.attach import RECORD_TEXT
 from openamct.record import attrs
 from openamct.record.file_io import read_record
 from openamct.techniques.sparsity24 import masks_in_record
 
 
 def report_record(path: str) -> dict:
-    record = read_record(path)
+    record = read_record(path, RECORD_TEXT)
     layers: dict[str, dict] = {}
 
     def entry(name: str) -> dict:

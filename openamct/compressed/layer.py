@@ -3,7 +3,7 @@ Linear becomes, whatever techniques compress it.
 
 Weight path: w -> 2:4 mask -> further masks -> BN scale (if a BN is folded) -> weight quantizer.
 
-BN folding (SPEC §4). Eval (and a BN in eval mode): the exact fold, op(x, q(w*g/s), (b-mu)*g/s+beta).
+BN folding (docs/dev/reference.md, Algorithms). Eval (and a BN in eval mode): the exact fold, op(x, q(w*g/s), (b-mu)*g/s+beta).
 Training: torch.ao's approximate fold, y = BN_train(op(x, q(w*c)) / c + b), c = g/sqrt(running_var
 + eps). When the weight quantizer is per-output-channel symmetric ARQ, q(w*c) = c*q(w) exactly (in
 real arithmetic), so that expression equals BN_train(op(x, q(w), b)) and the multiply and divide
@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from openamct.compressed.clip_grad import input_clip_grad
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
-from openamct.large.fused_linear import large_forward, takes_large_path
 from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
@@ -64,7 +63,9 @@ class CompressedLayer(WeightOp):
         self.input_on_grid = False  # LayerParts.input_on_grid
         self.mask_names: tuple[str, ...] = ()  # LayerParts.masks, in order
         self._scales_seen: tuple | None = None  # (weight key, scales) of the last eval/train forward
-        self.large = None  # the model's LargeRuntime when build attached one (CPU models): large/
+        # The layer forward's branch point: the model's runtime (``takes``/``forward``/``release``)
+        # when build attached one (a CPU model: openamct.large); None keeps the plain path.
+        self.large = None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -197,7 +198,7 @@ class CompressedLayer(WeightOp):
         seen = self._scales_seen
         if seen is not None and seen[0] == self._weight_key():
             # What the last forward quantized with: a record built in that forward's hook (or
-            # after it, weights untouched) needs no second pass over the weight (issue 19).
+            # after it, weights untouched) needs no second pass over the weight.
             return seen[1]
         return self.wts_quant.scales(self._folded_weight(step=False).detach())
 
@@ -230,8 +231,10 @@ class CompressedLayer(WeightOp):
                 x = self.act_quant(x)
         if self.bn is not None and self.bn.training:
             y = self._forward_fold_train(x, tap)
-        elif tap is None and takes_large_path(self, x):  # branch point: the CPU large-model Linear
-            y = large_forward(self, x)
+        elif tap is None and self.large is not None and self.large.takes(self, x):
+            # Branch point: ``large``, set by build on a model whose tensors are all on the CPU,
+            # computes a plain-weight-path Linear on CPU tensors with no weight-sized temporaries.
+            y = self.large.forward(self, x)
         else:
             y = self._op_tap(x, *self.effective_weight_bias(), tap)
         if self.out_observer is not None:

@@ -76,8 +76,8 @@ def _weight_dq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightD
     return WeightDQ(scales, axis)
 
 
-def fold_deploy(model: nn.Module, techniques: Sequence[Technique], defer: bool = True) -> dict[str, tuple[float, float]]:
-    """Fold a working copy in place; return the output range (min, max) of each layer with
+def fold_deploy(model: nn.Module, techniques: Sequence[Technique], defer=None) -> dict[str, tuple[float, float]]:
+    """Fold a working copy in place (``defer``: see ``fold_layers``); return the output range (min, max) of each layer with
     an input quantizer, keyed by the weight initializer its op reads (``<layer>.weight_int8``,
     or ``<layer>.weight`` where it stays float)."""
     def build(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:

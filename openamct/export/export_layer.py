@@ -17,19 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 from torch.autograd import Function
-from torch.nn import functional as F
 
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
-from openamct.large.deferred import (
-    DeferredTable,
-    DeferredWeight,
-    is_placeholder,
-    placeholder_value,
-    zero_twin,
-)
-from openamct.large.embedding_grad import PooledGradEmbedding
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
@@ -40,7 +31,7 @@ from openamct.techniques.base import ExportParts, Technique
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExportLayer", "QDQAct", "WeightDQ", "working_copy", "compressed_layers",
-           "export_parts", "fold_layers", "fold_activations", "deferred_weights"]
+           "export_parts", "fold_layers", "fold_activations", "is_placeholder", "zero_twin"]
 
 
 def working_copy(model: nn.Module) -> nn.Module:
@@ -102,7 +93,8 @@ class ExportLayer(WeightOp):
         self.copy_op_attrs(layer)
         # An int8 weight (the deploy model's) is stored as ``weight_int8``, the initializer name
         # the deploy file has always used; ``weight_fn`` dequantizes it.
-        self._deferred = weight if isinstance(weight, DeferredWeight) else None
+        # Not a tensor: a deferred weight (``fold_layers``' ``defer``), computed when read.
+        self._deferred = None if isinstance(weight, Tensor) else weight
         self._wname = "weight" if weight.dtype.is_floating_point else "weight_int8"
         self._path = ""  # the layer's name in the model (fold_layers): its deferred weight's key
         if self._deferred is None:
@@ -137,9 +129,9 @@ class ExportLayer(WeightOp):
         """The stored weight as the op reads it. A deferred one is its placeholder, in eager
         calls too: a folded model with deferred weights exists to be exported, and its eager
         calls (``export_signature``'s probe) only need shapes; computing each weight there
-        would cost a weight-sized temporary per layer for nothing (issue 19)."""
+        would cost a weight-sized temporary per layer for nothing."""
         if self._deferred is not None:
-            return placeholder_value(self._deferred, f"{self._path}.{self._wname}")
+            return self._deferred.placeholder_value(f"{self._path}.{self._wname}")
         return getattr(self, self._wname)
 
     def _stored_shape(self) -> tuple[int, ...]:
@@ -183,7 +175,7 @@ class ExportLayer(WeightOp):
     def _store_transposed(self) -> None:
         """Keep W^T ([in, out], ``weight_t``) instead of W. The exporter would otherwise fold
         Transpose(W) into a new initializer, a second copy of every such weight while it runs
-        (issue 19: a Llama's every Linear). Done at the first eager call (``export_signature``
+        (a Llama's every Linear). Done at the first eager call (``export_signature``
         runs one before tracing); the file gets the same MatMul and Add as before."""
         if self._deferred is not None:
             self._deferred.transposed = True
@@ -192,43 +184,6 @@ class ExportLayer(WeightOp):
             del self.weight
             self.register_parameter("weight_t", nn.Parameter(wt, requires_grad=False))
         self._wname = "weight_t"
-
-
-class ExportEmbedding(nn.Module):
-    """A plain ``nn.Embedding`` whose table reads as a placeholder (deferred.py), so the writer
-    writes it straight from the model's tensor: at 1.1B parameters it is 262 MB that the
-    exporter, its proto and the writer each held once more (issue 19)."""
-
-    def __init__(self, emb: nn.Embedding, path: str) -> None:
-        nn.Module.__init__(self)
-        for k, v in public_attrs(emb).items():  # num_embeddings, padding_idx, ...
-            setattr(self, k, v)
-        self._deferred, self._path = DeferredTable(emb.weight), path
-
-    def __getattr__(self, name: str):
-        d = self.__dict__.get("_deferred")
-        if name == "weight" and d is not None:  # read by model code: dtype, shape (a trace), tying
-            return torch.zeros((), dtype=d.dtype).expand(d.shape) if torch.jit.is_tracing() else d.source
-        return super().__getattr__(name)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        w = placeholder_value(self._deferred, f"{self._path}.weight")
-        return F.embedding(ids, w, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
-
-
-TABLE_MIN_BYTES = 1 << 20
-_TABLES = (nn.Embedding, PooledGradEmbedding)  # the second is the first with a training backward of its own
-
-
-def defer_tables(model: nn.Module) -> int:
-    """Replace the plain float32 ``nn.Embedding`` tables of ``model`` (a working copy), 1 MB
-    and up, by ``ExportEmbedding``; returns how many. Subclasses (a scaled embedding's own
-    forward) and ``max_norm`` (renormalises the table in place) are left as they are."""
-    found = [(n, m) for n, m in model.named_modules() if type(m) in _TABLES and m.max_norm is None
-             and m.weight.dtype == torch.float32 and m.weight.numel() * 4 >= TABLE_MIN_BYTES and n]
-    for name, m in found:
-        set_module(model, name, as_layer_class(ExportEmbedding, nn.Embedding)(m, name))
-    return len(found)
 
 
 class QDQAct(nn.Module):
@@ -253,7 +208,7 @@ class _Dequantize(Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, scale: Tensor, zero: Tensor, axis: int) -> Tensor:
-        if is_placeholder(q):  # (values unused: see deferred.py)
+        if is_placeholder(q):  # (values unused: see ``is_placeholder``)
             return zero_twin(q, torch.float32)
         shape = [1] * q.dim()
         if scale.dim():
@@ -268,7 +223,7 @@ class _Dequantize(Function):
 class WeightDQ(nn.Module):
     """The deploy model's weight: int8 values (``quantize``) and the trained scales, per output
     channel on ``axis`` or one (``axis`` None). Stored as int8 in torch already, so exporting
-    the deploy model carries a quarter of the float weight bytes (issue 19)."""
+    the deploy model carries a quarter of the float weight bytes."""
 
     def __init__(self, scales: Tensor, axis: int | None) -> None:
         super().__init__()
@@ -280,7 +235,7 @@ class WeightDQ(nn.Module):
     def quantize(self, w: Tensor, out: Tensor | None = None) -> Tensor:
         """int8 of the (already fake-quantized) float weight: round(w / s) as numpy's rint,
         into ``out`` when given. A slice of rows at a time: the float temporaries stay small
-        (a weight-sized one per layer fragments the heap for the rest of a save, issue 19)."""
+        (a weight-sized one per layer fragments the heap for the rest of a save)."""
         w = w.detach()
         out = torch.empty(w.shape, dtype=torch.int8) if out is None else out
         s = self.scales
@@ -298,6 +253,23 @@ class WeightDQ(nn.Module):
         return _Dequantize.apply(q, self.scales, self.zeros, 0 if self.axis is None else self.axis)
 
 
+def is_placeholder(t: Tensor) -> bool:
+    """A deferred weight's placeholder, a zero view, or any tensor of one element repeated:
+    values that mean nothing. A placeholder (``openamct.large.deferred``) carries the zero
+    pages it lies in as ``_openamct_zeros`` (``holds``, ``twin``)."""
+    if t.dim() == 0:
+        return False
+    zeros = getattr(t, "_openamct_zeros", None)  # (strides are never traced)
+    return all(st == 0 for st in t.stride()) or (zeros is not None and zeros.holds(t))
+
+
+def zero_twin(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """Zeros of ``t``'s shape from the zero pages that made placeholder ``t``, one per ``t``
+    (what an op on a placeholder returns); plain zeros for a zero-stride one."""
+    zeros = getattr(t, "_openamct_zeros", None)
+    return torch.zeros(t.shape, dtype=dtype) if zeros is None else zeros.twin(t, dtype)
+
+
 def per_channel_view(w: Tensor, layer: CompressedLayer) -> tuple[Tensor, int]:
     if layer.kind == "linear_t":  # already transposed to [out, in] for export
         return w, 0
@@ -311,21 +283,26 @@ Builder = Callable[[str, CompressedLayer, Tensor, ExportParts], dict]
 
 @torch.no_grad()
 def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique],
-                defer: bool = True) -> dict[str, ExportParts]:
+                defer: Callable | None = None) -> dict[str, ExportParts]:
     """Replace every CompressedLayer of ``model`` (a working copy) in place by
     an ExportLayer of the same class with ``build(name, layer, weight, parts)``'s extras;
     return each layer's ExportParts. A ``quantize`` extra (a ``WeightDQ``) stores the weight
-    as int8. With ``defer`` the weights are not held but computed when read (deferred.py):
-    the layers then read the working copy's compressed layers, so keep that copy unchanged."""
+    as int8.
+
+    ``defer`` is the fold's branch point: the streamed save of a CPU model passes
+    ``openamct.large.deferred.DeferredWeight``, and each layer then holds
+    ``defer(layer, shape, quantize)`` instead of its weight: computed when read, and read as a
+    placeholder while exported (``placeholder_value(key)``). The layers then read the working
+    copy's compressed layers, so keep that copy unchanged. Without it, weights are folded now."""
     found = compressed_layers(model)
     if "" in found:
         raise ValueError("model: the root module itself is a compressed layer; wrap it in a container")
     out = {}
     for name, layer in found.items():
         layer.eval()
-        if defer and layer.bias is None and layer.bn is None:
+        if defer is not None and layer.bias is None and layer.bn is None:
             # Nothing to fold now: the builders need the weight's shape only, and a weight-sized
-            # temporary per layer here fragments the heap for the whole save (issue 19).
+            # temporary per layer here fragments the heap for the whole save.
             w, b = torch.empty(layer.weight.shape, device="meta"), None
         else:
             w, b = layer.effective_weight_bias()  # the bias needs the weight's scales
@@ -334,8 +311,8 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
         parts = out[name] = export_parts(layer, techniques)
         extras = build(name, layer, w, parts)
         quantize = extras.pop("quantize", None)
-        if defer:
-            weight = DeferredWeight(layer, tuple(w.shape), quantize)
+        if defer is not None:
+            weight = defer(layer, tuple(w.shape), quantize)
         else:
             weight = w.detach().float() if quantize is None else quantize.quantize(w)
         del w
@@ -343,27 +320,7 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
                                                          **extras)
         new._path = name
         set_module(model, name, new)
-    if defer:
-        defer_tables(model)
     return out
-
-
-def deferred_weights(model: nn.Module) -> tuple[dict[str, DeferredWeight], list[str]]:
-    """Each folded layer's deferred weight, by the name its placeholder exports under; and the
-    order the exporter gives initializers (the state dict's, a deferred weight in the place of
-    the parameter it replaces: its layer's first), so the file's order does not move."""
-    found, order = {}, []
-    for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(m, ExportLayer) and m._deferred is not None:
-            found[prefix + m._wname] = m._deferred
-            order.append(prefix + m._wname)
-        if isinstance(m, ExportEmbedding):
-            found[prefix + "weight"] = m._deferred
-            order.append(prefix + "weight")
-        order.extend(prefix + n for n, p in m._parameters.items() if p is not None)
-        order.extend(prefix + n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set)
-    return found, order
 
 
 def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) -> int:

@@ -63,8 +63,9 @@ def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportPart
     return {}
 
 
-def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique], defer: bool = True) -> nn.Module:
-    """Turn a working copy of a compressed model into its fake-quant export model (in place)."""
+def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique], defer=None) -> nn.Module:
+    """Turn a working copy of a compressed model into its fake-quant export model (in place);
+    ``defer``: see ``fold_layers``."""
     fold_layers(model, _fake_layer, techniques, defer)
     fold_activations(model, FakeQuantAct)
     fold_pools(model)
@@ -73,6 +74,6 @@ def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique], defer: bo
 
 def fold_plain(model: nn.Module, techniques: Sequence[Technique]) -> nn.Module:
     """Prune-only models: plain float layers with masks/pruning folded into the weights."""
-    fold_layers(model, _plain_layer, techniques, defer=False)  # written from memory (writer.py)
+    fold_layers(model, _plain_layer, techniques)  # written from memory (writer.py)
     fold_pools(model)
     return model

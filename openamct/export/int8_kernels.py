@@ -1,7 +1,7 @@
 """Whether ONNX Runtime's integer kernels on this CPU compute the deploy model exactly.
 
 The deploy model multiplies uint8 activations by int8 weights (the fast layout on VNNI and AMX
-CPUs, PLATFORM-NOTES). On x86-64 CPUs without VNNI, ORT's u8s8 kernels (MLAS, AVX2 and plain
+CPUs, docs/dev/platform.md). On x86-64 CPUs without VNNI, ORT's u8s8 kernels (MLAS, AVX2 and plain
 AVX-512) multiply with ``vpmaddubsw``, which adds pairs of u8 x s8 products in int16 and
 saturates: two products of 255 x 127 overflow it. ORT documents the limitation (its quantizer's
 ``reduce_range`` option, 7-bit weights, exists for it). There the deploy model's outputs are not

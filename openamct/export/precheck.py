@@ -1,4 +1,4 @@
-"""Export problems found before the export runs (issue 16), each as one line naming the
+"""Export problems found before the export runs, each as one line naming the
 argument, or the module and the op, instead of a TorchScript IR dump after training.
 
 - ``check_modules``: modules the ONNX (TorchScript, opset 17) exporter cannot write, found by

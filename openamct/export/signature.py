@@ -71,7 +71,7 @@ class FlatIO(nn.Module):
     The model's own parameters, buffers and children are registered on the wrapper under their
     own names (the model itself is held unregistered), so the exporter names initializers and
     nodes as if the model had been exported directly (``layer.weight``, ``/layer/Gemm``): the
-    exported file needs no renaming pass, and so no loading back (issue 19)."""
+    exported file needs no renaming pass, and so no loading back."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """``export_pair``: write the fake-quant and the deploy ONNX models of a compressed model.
 
-Exporter: the TorchScript one (``dynamo=False``, opset 17). Measured here (torch 2.13) on the
-folded ResNet-18: 0.8-1.1 s per model against 4.7 s for dynamo, which also fails on the deploy
+Exporter: the TorchScript one (``dynamo=False``, opset 17). Measured with torch 2.13 on the
+folded ResNet-18 (2-core EPYC): 0.8-1.1 s per model against 4.7 s for dynamo, which also fails on the deploy
 model (torch.export error); it takes ``dynamic_axes``/``input_names`` as AMCT users pass them,
 keeps parameter names as initializer names (the deploy post-pass finds each layer's observer by
 its weight name), and turns ``fake_quantize_*`` into plain QuantizeLinear/DequantizeLinear.
@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import onnx
@@ -61,7 +61,7 @@ def export_to_file(model: nn.Module, input_data: Any, folder: str, input_names=N
                    dynamic_axes=None) -> str:
     """TorchScript export into ``folder`` (``model.onnx``; above 2 GB the exporter writes one
     file per tensor beside it). Split from any load so a caller can free the model in between:
-    the exporter's own copy and a loaded proto then never coexist with it (issue 19)."""
+    the exporter's own copy and a loaded proto then never coexist with it."""
     args, kwargs = split_input_data(input_data)
     # Names both files share (signature.py); the exporter's own differ per file.
     target, args, kwargs, default_in, default_out = export_signature(model, args, kwargs)
@@ -115,11 +115,16 @@ def _stamp(models: Sequence[onnx.ModelProto]) -> str:
 def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: Any,
                 input_names=None, output_names=None, dynamic_axes=None, *,
                 techniques: Sequence[Technique] = TECHNIQUES,
-                external_threshold: int = EXTERNAL_DATA_BYTES) -> None:
+                external_threshold: int = EXTERNAL_DATA_BYTES, streamed_save: Callable | None = None) -> None:
     """Write ``fake_path`` (float fake-quant model) and ``deploy_path`` (INT8 QDQ model).
 
     Works on deep copies in eval mode: the caller's model (DDP-wrapped or not) is left as it
     was. Without any quantized layer (prune-only) both files get the same plain float export.
+
+    ``streamed_save`` is the save's branch point: the pipeline passes
+    ``openamct.large.streamed_save.export_pair_streamed`` for a model whose tensors are all on
+    the CPU (``openamct.large.attach.streamed_save``), which writes each folded weight while it
+    is computed, one at a time; None (any other model) folds both models whole here.
     """
     folder = os.path.dirname(os.path.abspath(fake_path))
     names = {"input_names": input_names, "output_names": output_names, "dynamic_axes": dynamic_axes,
@@ -145,18 +150,13 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
             write_onnx(proto, deploy_path, external_threshold)
         logger.info("no quantized layer: wrote the same float model to %s and %s", fake_path, deploy_path)
         return
-    if _streamed_save_wanted(model):
-        # Branch point: a CPU model is staged on disk with its weights computed one layer at a
-        # time while they are written (large/staging.py), so no folded weight is held beyond one.
-        from openamct.large.streamed_save import export_pair_streamed
-
-        export_pair_streamed(model, probe, fake_path, deploy_path, input_data, names, techniques,
-                             external_threshold)
+    if streamed_save is not None:  # branch point: see the docstring
+        streamed_save(model, probe, fake_path, deploy_path, input_data, names, techniques, external_threshold)
     else:  # both models folded whole, exported, stamped and written
-        fake = export_onnx(fold_fake_quant(probe, techniques, defer=False), input_data, **names)
+        fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
         del probe
         work = working_copy(model)
-        observers = fold_deploy(work, techniques, defer=False)
+        observers = fold_deploy(work, techniques)
         deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
         del work
         _stamp([fake, deploy])
@@ -164,9 +164,3 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         write_onnx(deploy, deploy_path, external_threshold)
     logger.info("wrote %s and %s", fake_path, deploy_path)
 
-
-def _streamed_save_wanted(model: nn.Module) -> bool:
-    """The streamed save's condition: every parameter and buffer on the CPU (its writer and
-    zero-page placeholders are CPU-only; other devices take the plain path)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return all(t.device.type == "cpu" for t in tensors)

@@ -2,7 +2,7 @@
 
 Why this tracer: we *execute* the forward under a ``TorchFunctionMode`` and forward hooks
 instead of using ``torch.fx`` (fails on data-dependent control flow, which Hugging Face
-models have) or ``torch.export`` (30x slower at 258 layers, see PLATFORM-NOTES) or an
+models have) or ``torch.export`` (30x slower at 258 layers, docs/dev/platform.md) or an
 ONNX export (slower still, and it loses module names). Every torch function call outside
 an opaque module is recorded with its tensor inputs/outputs and non-tensor arguments;
 built-in leaf modules (Conv2d, BatchNorm2d, ReLU, ...) and leaf modules that own

@@ -68,7 +68,7 @@ def load_in_parts(model: nn.Module, sd: Mapping[str, torch.Tensor], own: Mapping
 def _copy_in_slices(key: str, value: torch.Tensor, mine: torch.Tensor, slice_bytes: int, where: str) -> None:
     """Check and copy one mapped tensor larger than a load part a slice at a time, dropping each
     slice's file pages once copied: copied whole, all its file pages were mapped at once beside
-    the working copy (the embedding table, 0.28 W of a 60M Llama: restore +1.58 W, issue 19)."""
+    the working copy (the embedding table, 0.28 W of a 60M Llama: restore +1.58 W)."""
     src, dst = value.view(-1), mine.view(-1)
     step = max(1, slice_bytes // value.element_size())
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Folded weights that are computed when they are written, not held (issue 19).
+"""Folded weights that are computed when they are written, not held.
 
 Holding every layer's folded weight at once costs a second copy of the model while a save
 runs (the fake-quant model's float weights: 1 W; the deploy model's int8: 0.25 W, plus the
@@ -10,10 +10,10 @@ only shape and dtype otherwise.
   ``openamct::Weight(key=<name>)``. The exporter never sees the values, so it neither copies
   nor serialises them. Eager calls (``export_signature``'s probe) compute with it too: only the
   output's structure matters there. So a folded model with deferred weights is for export
-  only. A placeholder is contiguous zeros over a mapping no page backs (``_ZeroPages``): a
-  zero-stride one made each matmul copy it out whole first, the weight's size in new pages per
-  layer and per forward, four forwards per save (at 1.1B parameters the save faulted 9.08 GB,
-  now 2.23 GB). Reading ``layer.weight`` computes the real one,
+  only. A placeholder is contiguous zeros over a mapping no page backs (``ZeroPages``): a
+  zero-stride one would make each matmul copy it out whole first, the weight's size in new pages
+  per layer and per forward, four forwards per save (at 1.1B parameters a save faulted 9.08 GB
+  that way, 2.23 GB with zero pages). Reading ``layer.weight`` computes the real one,
   except while a trace runs (model code reads its dtype there: HF ViT, T5), where it is a
   zero-stride tensor of the right shape.
 - ``bind_placeholders`` renames each such node's output to the initializer name the file has
@@ -29,14 +29,20 @@ from dataclasses import dataclass, field
 
 import onnx
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd import Function
+from torch.nn import functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from openamct.compressed.ops import as_layer_class, public_attrs
+from openamct.export.export_layer import ExportLayer
+from openamct.large.embedding_grad import PooledGradEmbedding
 from openamct.large.memory import zero_mapped
+from openamct.module_tree import set_module
 
-__all__ = ["DeferredWeight", "DeferredTable", "WriteScratch", "ZeroPages", "placeholder_value", "is_placeholder",
-           "zero_twin", "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN"]
+__all__ = ["DeferredWeight", "DeferredTable", "WriteScratch", "ZeroPages", "placeholder_value",
+           "bind_placeholders", "strip_placeholders", "PLACEHOLDER_DOMAIN", "ExportEmbedding",
+           "defer_tables", "deferred_weights"]
 
 PLACEHOLDER_DOMAIN = "openamct"
 _PLACEHOLDER_OP = "Weight"
@@ -99,6 +105,11 @@ class DeferredWeight:
         out = scratch.take(0, tuple(w.shape), w.dtype)
         _effective(w, mask, None if q is None else q.channel_wise, int(layer.kind == "linear_t"), out)
         return out
+
+    def placeholder_value(self, key: str) -> Tensor:
+        """What a folded layer reads for this weight (``ExportLayer._stored``): its placeholder,
+        exported as ``openamct::Weight(key)``."""
+        return placeholder_value(self, key)
 
     def placeholder(self) -> Tensor:
         """Right shape and dtype, zeros no page backs (what a trace computes with)."""
@@ -167,7 +178,7 @@ class ZeroPages:
     """Per dtype one private anonymous mapping (``memory.zero_mapped``), grown to the largest
     placeholder: only read, its pages are the kernel's zero page, so placeholders add no RSS.
     One per export (``streamed_save``), released after its trace. Each tensor it gives carries
-    it as ``_openamct_zeros``, so an op on a placeholder (``zero_twin``) finds its owner."""
+    it as ``_openamct_zeros``, so an op on a placeholder (``export_layer.zero_twin``) finds its owner."""
 
     def __init__(self) -> None:
         self.flat: dict[torch.dtype, Tensor] = {}
@@ -206,19 +217,59 @@ class ZeroPages:
         self.kept.clear()
 
 
-def zero_twin(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """Zeros of ``t``'s shape from the ``ZeroPages`` that made placeholder ``t``, one per ``t``
-    (what an op on a placeholder returns); plain zeros for a zero-stride one."""
-    zeros = getattr(t, "_openamct_zeros", None)
-    return torch.zeros(t.shape, dtype=dtype) if zeros is None else zeros.twin(t, dtype)
+class ExportEmbedding(nn.Module):
+    """A plain ``nn.Embedding`` whose table reads as a placeholder (a ``DeferredTable``), so the writer
+    writes it straight from the model's tensor: at 1.1B parameters it is 262 MB that the
+    exporter, its proto and the writer each held once more."""
+
+    def __init__(self, emb: nn.Embedding, path: str) -> None:
+        nn.Module.__init__(self)
+        for k, v in public_attrs(emb).items():  # num_embeddings, padding_idx, ...
+            setattr(self, k, v)
+        self._deferred, self._path = DeferredTable(emb.weight), path
+
+    def __getattr__(self, name: str):
+        d = self.__dict__.get("_deferred")
+        if name == "weight" and d is not None:  # read by model code: dtype, shape (a trace), tying
+            return torch.zeros((), dtype=d.dtype).expand(d.shape) if torch.jit.is_tracing() else d.source
+        return super().__getattr__(name)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        w = placeholder_value(self._deferred, f"{self._path}.weight")
+        return F.embedding(ids, w, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
-def is_placeholder(t: Tensor) -> bool:
-    """A placeholder, a zero view, or any tensor of one element repeated: values that mean nothing."""
-    if t.dim() == 0:
-        return False
-    zeros = getattr(t, "_openamct_zeros", None)  # (strides are never traced)
-    return all(st == 0 for st in t.stride()) or (zeros is not None and zeros.holds(t))
+TABLE_MIN_BYTES = 1 << 20
+_TABLES = (nn.Embedding, PooledGradEmbedding)  # the second is the first with a training backward of its own
+
+
+def defer_tables(model: nn.Module) -> int:
+    """Replace the plain float32 ``nn.Embedding`` tables of ``model`` (a working copy), 1 MB
+    and up, by ``ExportEmbedding``; returns how many. Subclasses (a scaled embedding's own
+    forward) and ``max_norm`` (renormalises the table in place) are left as they are."""
+    found = [(n, m) for n, m in model.named_modules() if type(m) in _TABLES and m.max_norm is None
+             and m.weight.dtype == torch.float32 and m.weight.numel() * 4 >= TABLE_MIN_BYTES and n]
+    for name, m in found:
+        set_module(model, name, as_layer_class(ExportEmbedding, nn.Embedding)(m, name))
+    return len(found)
+
+
+def deferred_weights(model: nn.Module) -> tuple[dict[str, DeferredWeight], list[str]]:
+    """Each folded layer's deferred weight, by the name its placeholder exports under; and the
+    order the exporter gives initializers (the state dict's, a deferred weight in the place of
+    the parameter it replaces: its layer's first), so the file's order does not move."""
+    found, order = {}, []
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, ExportLayer) and m._deferred is not None:
+            found[prefix + m._wname] = m._deferred
+            order.append(prefix + m._wname)
+        if isinstance(m, ExportEmbedding):
+            found[prefix + "weight"] = m._deferred
+            order.append(prefix + "weight")
+        order.extend(prefix + n for n, p in m._parameters.items() if p is not None)
+        order.extend(prefix + n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set)
+    return found, order
 
 
 def _is_placeholder(node: onnx.NodeProto) -> bool:

@@ -1,10 +1,10 @@
-"""Embedding tables whose weight gradient reuses the memory of the last step's freed ``.grad``
-(issue 19), as a compressed Linear's does (grad_pool.py).
+"""Embedding tables whose weight gradient reuses the memory of the last step's freed ``.grad``,
+as a compressed Linear's does (grad_pool.py).
 
 Why: a table's gradient is as large as the table (32000 x 512 float32, 65 MB, in a 60M Llama;
 262 MB at 1.1B), and torch's embedding backward allocates and zero-fills a new one every step.
 With ``zero_grad(set_to_none=True)`` glibc hands the freed block back to the kernel, so that fill
-faults in new pages each time: on the VMs measured here it was most of what a step of a 60M
+faults in new pages each time: on a Firecracker guest with free page reporting it was most of what a step of a 60M
 Llama still faulted once its Linears pooled their gradients.
 
 The values are torch's bit for bit: zeros, then each looked-up row's gradient added in the order

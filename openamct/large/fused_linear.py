@@ -1,7 +1,7 @@
 """The training step of a compressed Linear (2:4 mask and/or ARQ weights, no BN) as one
 autograd Function that never holds the effective weight E = q(w * mask) per layer.
 
-Why (issue 19). The composed path allocates two weight-sized tensors per layer per step (the
+Why: the composed path allocates two weight-sized tensors per layer per step (the
 masked weight, then the fake-quantized one that ``F.linear`` keeps for backward). Above glibc's
 mmap threshold (32 MB at most: a 2048x5632 Linear is 46 MB) every such allocation is a fresh
 mapping, so each step page-faults and zeroes them again; at 1.1B parameters that made the QAT
@@ -21,17 +21,20 @@ products differ from one matmul with E only in the summation order (a few ulps).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
 
+if TYPE_CHECKING:  # runtime.py calls this module's forward: imported where a fresh runtime is made
+    from openamct.large.runtime import LargeRuntime
+
 from openamct.large.mask_bits import unpack_rows_reused
-from openamct.large.runtime import LargeRuntime
 from openamct.large.workspace import Workspace
-from openamct.prune.mask_codec import unpack_rows
 from openamct.prune.nm import apply_mask
 from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
+from openamct.record.mask_codec import unpack_rows
 
 # The buffers live in the model's ``LargeRuntime`` (runtime.py), passed in as ``rt``: ``rt.scratch``
 # (one effective weight per thread, as large as the largest layer, and the slices) and ``rt.grads``
@@ -68,7 +71,7 @@ def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: 
     return the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or
     None.
 
-    A slice of rows at a time (issue 19): the mask, the scales' reduction and the three
+    A slice of rows at a time: the mask, the scales' reduction and the three
     quantize passes then run on 4 MB that stays in cache, instead of six trips through memory
     over the whole weight. Every element gets the same ops as on the whole tensor (a max is
     exact in any order), so the result is bit-identical."""
@@ -244,7 +247,7 @@ class _MaskedQuantLinear(Function):
             else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
                 gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales,
                               ws=rt.scratch)[0]
-        if need_w:  # straight through the mask and the quantizer (SPEC §4)
+        if need_w:  # straight through the mask and the quantizer (docs/dev/reference.md, Algorithms)
             lhs, rhs = (x.t(), g) if transposed else (g.t(), x)
             out = rt.grads.out_for(w, g, codes if ctx.codes_in_grad else None)  # gx has read them
             gw = lhs.mm(rhs) if out is None else rt.grads.handed(torch.mm(lhs, rhs, out=out))
@@ -290,9 +293,9 @@ def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | 
     """(the eval forward without its bias, the ARQ scales or None), the effective weight built
     as in a training step: eval otherwise allocated two or three new weight-sized tensors per
     layer, which above glibc's mmap threshold are fresh pages every forward (at 1.1B parameters
-    most of the eval forward's time, issue 19). The caller adds the bias, which on the int32
+    most of the eval forward's time). The caller adds the bias, which on the int32
     grid depends on the scales."""
-    rt = LargeRuntime() if rt is None else rt
+    rt = _fresh_runtime() if rt is None else rt
     y, scales = _product(x.reshape(-1, x.shape[-1]), w.detach(), mask, channel_wise, int(transposed),
                          reduce=transposed, ws=rt.scratch)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
@@ -330,12 +333,19 @@ def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | N
     runtime whose buffers it reuses (a fresh one, used for this call only, when None)."""
     # The Function sees 2-D rows: its output is then a tensor of its own, not a view, so model
     # code may modify it in place (HF Wav2Vec2 does); the reshape outside is tracked as usual.
-    rt = LargeRuntime() if rt is None else rt
+    rt = _fresh_runtime() if rt is None else rt
     y, scales = _MaskedQuantLinear.apply(x.reshape(-1, x.shape[-1]), w, b, mask, channel_wise, transposed, rt)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
 
 
 # -- the layer forward's branch point (compressed/layer.py) -------------------------------------
+def _fresh_runtime() -> LargeRuntime:
+    """A runtime for one call (the functions' callers without a model's runtime: tests)."""
+    from openamct.large.runtime import LargeRuntime
+
+    return LargeRuntime()
+
+
 def takes_large_path(layer, x: Tensor) -> bool:
     """Whether ``layer`` (a CompressedLayer) computes ``x`` here: a CPU input and weight, a
     runtime attached at build (CPU models only), a Linear whose weight path is only a 2:4 mask

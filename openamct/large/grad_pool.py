@@ -1,10 +1,9 @@
-"""Weight-gradient buffers that a compressed Linear's backward reuses from step to step
-(issue 19).
+"""Weight-gradient buffers that a compressed Linear's backward reuses from step to step.
 
 Why: with ``optimizer.zero_grad(set_to_none=True)`` (PyTorch's default) every step frees its
 weight gradients, as many bytes as the weights, and glibc gives such blocks back to the kernel.
-The next backward faults them in again. On the VMs measured here (Firecracker guests with free
-page reporting: freed pages go back to the host) that cost 0.2-1.7 s/GB, up to half of a 250M
+The next backward faults them in again. On a virtual machine with free page
+reporting (freed pages go back to the host: a Firecracker guest) that cost 0.2-1.7 s/GB, up to half of a 250M
 model's step. The gradient a backward returns here is written into the buffer the last step's
 ``.grad`` used, once nothing but this pool still holds that buffer.
 

@@ -2,7 +2,7 @@
 
 Why: ``np.unpackbits`` and the 2:4 comparisons return new tensors per call, a few MB per slice
 of rows; above glibc's mmap threshold each is a fresh mapping that page-faults again on every
-slice. The packed layout and the plain (allocating) functions are ``prune/mask_codec.py``'s and
+slice. The packed layout and the plain (allocating) functions are ``record/mask_codec.py``'s and
 ``prune/nm_keep.py``'s; these give the same bits from buffers the caller owns (a
 ``LargeRuntime``'s, or one made for a single mask recompute).
 """
@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from openamct.large.workspace import Workspace
-from openamct.prune.mask_codec import _elements_of_rows, packed_size, unpack_rows
 from openamct.prune.nm_keep import _vote24
+from openamct.record.mask_codec import _elements_of_rows, packed_size, unpack_rows
 
 __all__ = ["unpack_rows_reused", "keep24_into"]
 
@@ -30,7 +30,7 @@ def unpack_rows_reused(bits: Tensor, shape: tuple[int, ...] | torch.Size, rows: 
 
     Why: ``np.unpackbits`` returns a new array per call. In a 250M-parameter model's first
     training step its 240 unpacks of ~1 MB took 0.32 s (0.015 s in later steps), fresh memory
-    each time; from this buffer the first step was 0.10-0.36 s faster in five A/B pairs (issue 19)."""
+    each time; from this buffer the first step is 0.10-0.36 s faster."""
     if bits.device.type != "cpu" or torch.jit.is_tracing():
         return unpack_rows(bits, shape, rows)
     start, count = _elements_of_rows(shape, rows)
@@ -44,7 +44,7 @@ def keep24_into(x: Tensor, axis: int, ws: Workspace) -> Tensor:
     """:func:`nm_keep_flags` for 2:4 when ``x.shape[axis]`` is a multiple of 4 (no padding), with
     every temporary in ``ws``: the result is a view of a workspace buffer, valid until the
     next call. The same majority votes as ``_keep_flags`` (``_vote24``), written straight into
-    the result's four positions, so a mask recompute allocates nothing per slice (issue 19: at 1.1B
+    the result's four positions, so a mask recompute allocates nothing per slice (at 1.1B
     parameters the fresh |w| and bool planes of each 4 MB slice took 1.4 of the 2.4 s the first
     step spent on masks)."""
     shape, dev = x.shape, x.device
@@ -54,3 +54,10 @@ def keep24_into(x: Tensor, axis: int, ws: Workspace) -> Tensor:
     keep = ws.take("keep", groups.shape, torch.bool, dev)
     _vote24(pos, keep.unbind(axis + 1), lambda name: ws.take(name, pos[0].shape, torch.bool, dev))
     return keep.flatten(axis, axis + 1)
+
+
+def keep24_in_workspace(axis: int):
+    """``NMSparsifier.keep24`` on CPU models: the keep-flags function of one mask recompute
+    along ``axis``, every slice's temporaries in one ``Workspace`` made here for it."""
+    ws = Workspace()
+    return lambda x: keep24_into(x, axis, ws)

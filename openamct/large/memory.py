@@ -1,7 +1,7 @@
 """Give memory back to the operating system: freed heap between the phases of a save, and the
 pages of a memory-mapped checkpoint once they are copied into the model.
 
-Why (issue 19): glibc serves allocations below its mmap threshold (up to 32 MB, raised as
+Why: glibc serves allocations below its mmap threshold (up to 32 MB, raised as
 larger blocks are freed) from the heap, and a heap with a small live block above freed ones
 cannot shrink. A save's per-layer temporaries left 0.1-0.9 W of freed memory counted in the
 process's RSS at 250M parameters (measured with RSS sampling; ``malloc_trim`` returned it all),
@@ -48,7 +48,7 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
     """Drop the resident pages of tensors that ``torch.load(mmap=True)`` mapped from a file and
     that will not be written: read again, they come back from the file. A restore copies a
     checkpoint into the model a part at a time and drops each part's pages, so it holds the
-    working copy plus one part instead of plus the whole file (issue 19: +2.2x the weights at
+    working copy plus one part instead of plus the whole file (+2.2x the weights at
     1.1B parameters). Only for file mappings: on anonymous memory the same call would zero the
     pages, so callers pass nothing else. Where madvise is missing, nothing is done (the kernel
     still reclaims clean file pages under pressure)."""

@@ -10,9 +10,10 @@ A deep copy or a pickle of the model gets a fresh, empty runtime (buffers are ne
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from openamct.large.fused_linear import large_forward, takes_large_path
 from openamct.large.grad_pool import GradPool
 from openamct.large.workspace import Workspace
 
@@ -26,6 +27,16 @@ class LargeRuntime:
         self.scratch = Workspace()
         self.grads = GradPool()
         self.embedding_rows = WeakIdKeyDictionary()  # embedding_grad.py: rows to zero again per table
+
+    def takes(self, layer, x: Tensor) -> bool:
+        """Whether ``layer`` (a CompressedLayer holding this runtime) computes ``x`` by the fused
+        Linear (``fused_linear.takes_large_path``: CPU tensors, a Linear whose weight path is
+        only a 2:4 mask and/or ARQ, an eager float forward)."""
+        return takes_large_path(layer, x)
+
+    def forward(self, layer, x: Tensor) -> Tensor:
+        """``layer``'s output for ``x`` where ``takes`` said so (``fused_linear.large_forward``)."""
+        return large_forward(layer, x)
 
     def release(self) -> None:
         """Give every buffer back (eval and save call it; the next training step maps them again)."""

@@ -1,5 +1,5 @@
 """Stage the two files of one save on disk, then stamp them with the pair's id and move them
-into place (issue 19: one model's small proto in memory at a time, and no folded weight held
+into place (one model's small proto in memory at a time, and no folded weight held
 beyond the one being written).
 
 ``stage_streamed(proto, deferred, ...)`` takes a model exported with placeholder weights

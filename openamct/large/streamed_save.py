@@ -21,9 +21,15 @@ from torch import nn
 
 from openamct._atomic import temp_prefix
 from openamct.export.deploy import finish_deploy, fold_deploy
-from openamct.export.export_layer import deferred_weights, working_copy
+from openamct.export.export_layer import working_copy
 from openamct.export.fake_quant import fold_fake_quant
-from openamct.large.deferred import ZeroPages, bind_placeholders
+from openamct.large.deferred import (
+    DeferredWeight,
+    ZeroPages,
+    bind_placeholders,
+    defer_tables,
+    deferred_weights,
+)
 from openamct.large.memory import return_free_memory
 from openamct.large.staging import Staged, stage_streamed
 
@@ -37,16 +43,17 @@ def export_pair_streamed(model: nn.Module, probe: nn.Module, fake_path: str, dep
     """Write both files of ``model`` (``probe``: its working copy, folded here and dropped)."""
     folder = names["work_dir"]
     h = hashlib.sha256()
-    h = hashlib.sha256()
     with tempfile.TemporaryDirectory(prefix=temp_prefix("save"), dir=folder) as stage:
         io = {k: v for k, v in names.items() if k != "work_dir"}
-        fake = fold_fake_quant(probe, techniques)
+        fake = fold_fake_quant(probe, techniques, defer=DeferredWeight)
+        defer_tables(fake)
         del probe
         staged = [_export_streamed(fake, input_data, fake_path, stage, "fake", io, external_threshold, h)]
         del fake
         gc.collect()  # the working copy's module tree has cycles: free it before the next one
         work = working_copy(model)
-        observers = fold_deploy(work, techniques)
+        observers = fold_deploy(work, techniques, defer=DeferredWeight)
+        defer_tables(work)
         logger.debug("deploy model folded")
         staged.append(_export_streamed(work, input_data, deploy_path, stage, "deploy", io, external_threshold, h,
                                        lambda proto: finish_deploy(proto, observers)))

@@ -2,7 +2,7 @@
 
 Why it exists: ``text_format.Merge`` is pure Python at about 7 us per field, and a record has a
 ``scale_w`` and an ``offset_w`` line per output channel, so restore spent seconds per billion
-parameters parsing (issue 19). ``fast_merge`` builds the same message from the text a record
+parameters parsing. ``fast_merge`` builds the same message from the text a record
 writer prints: one regular expression splits the text into tokens, and a loop over them fills
 the message; repeated scalars are collected per field and added with one ``extend``.
 
@@ -136,3 +136,13 @@ def fast_merge(text: str, message) -> None:
 def _flush(msg, pending: dict) -> None:
     for name, values in pending.items():
         getattr(msg, name).extend(values)
+
+
+def merge_or_decline(text: str, message) -> bool:
+    """``record.file_io.FastText.merge``: ``fast_merge``, False where the text leaves the plain
+    subset (``text_format`` then reads it)."""
+    try:
+        fast_merge(text, message)
+    except Unsupported:
+        return False
+    return True

@@ -1,11 +1,11 @@
-"""Buffers that a hot loop reuses from call to call instead of allocating (issue 19).
+"""Buffers that a hot loop reuses from call to call instead of allocating.
 
 Why: glibc serves a block above its mmap threshold (128 KB, raised up to 32 MB as such blocks
 are freed) with a fresh mapping, and trims a heap whose free top outgrows twice the threshold.
 A loop that allocates a few MB per slice (a 2:4 mask recompute, an activation clip search) can
 so page-fault its temporaries again on every slice: at 1.1B parameters the first training step
-spent 1.1 s in ``abs`` of 4 MB slices whose arithmetic takes 0.1 s (this VM faults fresh pages
-at 0.25-1.3 s/GB). A buffer kept here is mapped once and stays in the cache.
+spent 1.1 s in ``abs`` of 4 MB slices whose arithmetic takes 0.1 s (a 2-core EPYC faults fresh
+pages at 0.25-1.3 s/GB). A buffer kept here is mapped once and stays in the cache.
 
 One ``Workspace`` per module that needs one; each is thread-local (a DDP job or a data loader
 thread must not share a buffer mid-use). What ``take`` returns is valid until the next ``take``

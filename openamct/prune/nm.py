@@ -1,6 +1,6 @@
 """N:M (2:4) structured sparsity: mask computation and the training-time sparsifier module.
 
-Upstream AMCT's ``l1_selective_prune`` (SPEC.md section 4): along the weight's input-channel
+Upstream AMCT's ``l1_selective_prune`` (docs/dev/reference.md, Algorithms): along the weight's input-channel
 axis, every group of ``m`` consecutive weights (same output channel and kernel position) keeps
 its ``n`` largest magnitudes. The axis is zero-padded to a multiple of ``m`` and padding always
 counts as smaller than any real weight: the rule is exactly "keep the n largest of the m padded
@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from openamct.layer_types import CONVS, NM_TYPES, TRANSPOSED_CONVS, layer_type_of
-from openamct.prune.mask_codec import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
 from openamct.prune.nm_keep import _check_int, compute_nm_mask, nm_keep_flags
 from openamct.quant.functions import graph_mode
+from openamct.record.mask_codec import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def nm_eligible(module: nn.Module) -> tuple[bool, str]:
 def apply_mask(w: Tensor, mask: Tensor, out: Tensor | None = None) -> Tensor:
     """``w * mask`` (bit for bit, -0.0 and NaN included), into ``out`` when given. A bool mask
     is first widened into the result buffer: torch multiplies a float tensor by a bool one
-    through a float copy of the mask, 4x slower than this on a 46 MB weight (issue 19). While a
+    through a float copy of the mask, 4x slower than this on a 46 MB weight. While a
     graph is captured it is the plain ``Mul`` the exported model should hold."""
     if graph_mode():
         return w * mask
@@ -154,7 +154,7 @@ class NMSparsifier(nn.Module):
     """Applies a 2:4 mask to a weight: ``forward(w) -> w * mask``.
 
     State (all in the state_dict): ``mask_bits`` (uint8, the mask packed one bit per weight in
-    the record's bit order, see ``mask_bits.py``: an eighth of a byte per weight, issue 19;
+    the record's bit order, see ``mask_bits.py``: an eighth of a byte per weight;
     checkpoints with a bool or float 0/1 ``mask`` of the weight's shape still load),
     ``mask_ready`` (bool), ``step`` (int64, training forwards seen). ``mask`` reads the whole
     mask as bool (a new tensor). In training mode the mask is computed from ``w`` on the first
@@ -212,6 +212,10 @@ class NMSparsifier(nn.Module):
         # device sync per layer per step on accelerators. Refreshed on every state_dict load.
         self._ready = False
         self._step = 0
+        # The 2:4 recompute's branch point (``_keep_of``): ``keep24(axis)`` -> a keep-flags
+        # function for one recompute, set by build on a CPU model (openamct.large); None: the
+        # plain ``nm_keep_flags``.
+        self.keep24 = None
 
     @classmethod
     def from_module(cls, module: nn.Module, update_freq: int) -> NMSparsifier:
@@ -289,14 +293,14 @@ class NMSparsifier(nn.Module):
         """The mask of ``w``, a slice of rows at a time straight into ``mask_bits``: the
         comparisons' temporaries (a float |w| and six bool planes) then stay small enough to
         be reused from the heap and the cache, instead of mapping several weight-sized tensors
-        (at 1.1B parameters the first step spent 7 s page-faulting them, issue 19)."""
+        (at 1.1B parameters the first step spent 7 s page-faulting them)."""
         w = w.detach()
         if w.numel() == 0:
             return self._mark_installed(None)
         pieces, groups = self._pieces()
         per_row = w[0].numel()
         changed = torch.zeros((), dtype=torch.bool, device=self.mask_bits.device)
-        keep_of = _keep_of(w, self.axis, groups)
+        keep_of = _keep_of(w, self.axis, groups, self.keep24)
         for rows in pieces:
             changed |= write_bits(self.mask_bits, rows.start * per_row, keep_of(w[rows]))
         self._mark_installed(changed)
@@ -368,17 +372,13 @@ class NMSparsifier(nn.Module):
         self._step = int(self.step.item())
 
 
-def _keep_of(w: Tensor, axis: int, groups: int):
-    """A slice's 2:4 keep-flags for a recompute of ``w``. Branch point: on the CPU, when no
-    2:4 group is padded or cut by a conv group, ``large.mask_bits.keep24_into`` computes them
-    in one workspace made for this recompute (no fresh temporaries per slice); otherwise the
-    plain ``nm_keep_flags``."""
-    if w.device.type == "cpu" and w.shape[axis] % (4 * groups) == 0:
-        from openamct.large.mask_bits import keep24_into
-        from openamct.large.workspace import Workspace
-
-        ws = Workspace()
-        return lambda x: keep24_into(x, axis, ws)
+def _keep_of(w: Tensor, axis: int, groups: int, keep24=None):
+    """A slice's 2:4 keep-flags for a recompute of ``w``. Branch point: with ``keep24`` (the
+    sparsifier's, set on CPU models), a CPU weight and no 2:4 group padded or cut by a conv
+    group, ``keep24(axis)`` (in one workspace made for this recompute, no fresh temporaries per
+    slice); otherwise the plain ``nm_keep_flags``."""
+    if keep24 is not None and w.device.type == "cpu" and w.shape[axis] % (4 * groups) == 0:
+        return keep24(axis)
     return lambda x: nm_keep_flags(x, axis, 2, 4, groups)
 
 

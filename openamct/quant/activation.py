@@ -1,6 +1,6 @@
 """``QuantizedActivation``: a Sigmoid or SiLU module with INT8 quantizers around it, so the
 tensors between two layers are integers in the deploy model (QLinearSigmoid, QLinearMul) and
-the fake-quant model computes the same grid values (issue 14).
+the fake-quant model computes the same grid values.
 
 SiLU is written as ``y * sigmoid(y)`` with ``y = q_in(x)``, which is how the ONNX exporter
 writes it (Sigmoid, Mul): quantizing the Sigmoid output (``q_inner``) and, when no quantized

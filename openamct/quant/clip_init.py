@@ -1,4 +1,4 @@
-"""Data-driven initialisation of ULQ activation clips (upstream's IFMR, SPEC §2/§4).
+"""Data-driven initialisation of ULQ activation clips (upstream's IFMR, docs/dev/reference.md).
 
 Upstream: take a percentile max/min of the batch (0.999999, so the true extremes for batches
 under a million values), then try clip_max = k * max for k = 0.70, 0.71, ..., 1.30 and keep the
@@ -50,7 +50,7 @@ def ignored_count(n: int, percentile: float = _PERCENTILE) -> int:
 
 def _extremes(flat: Tensor, k: int, largest: bool) -> Tensor:
     """``torch.topk(flat, k, largest).values``, exactly, without sorting every value: on CPU a
-    topk of a 131k-value batch took 3.4 ms, a third of a layer's clip initialisation (issue 19).
+    topk of a 131k-value batch took 3.4 ms, a third of a layer's clip initialisation.
     The k-th largest of the maxima of ``_BLOCKS`` blocks bounds the k-th largest value from
     below (k distinct values reach it), so only values at or above it can be among the top k."""
     n = flat.numel()

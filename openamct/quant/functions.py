@@ -1,4 +1,4 @@
-"""INT8 fake-quant autograd Functions (SPEC §4): ULQ activations, ARQ and ULQ weights.
+"""INT8 fake-quant autograd Functions (docs/dev/reference.md, Algorithms): ULQ activations, ARQ and ULQ weights.
 
 Numerics. Every fake-quant here computes ``q = clamp(round(x * (1/s)) + zp, qmin, qmax)`` and
 ``y = (q - zp) * s`` in float32, which is exactly what torch's built-in
@@ -105,7 +105,8 @@ def fake_quant_per_tensor(x: Tensor, scale: float, zero_point: int,
 
 
 class ULQActFunction(Function):
-    """ULQ fake-quant with learnable clips; forward = built-in formula, backward = SPEC §4.
+    """ULQ fake-quant with learnable clips; forward = built-in formula, backward = upstream's
+    (docs/dev/reference.md, Algorithms).
 
     ``apply(x, clip_max, clip_min, fixed_min, qparams)`` with ``qparams = ulq_qparams_float(...)``
     of the same clips. In range means y_min <= x <= y_max (the outermost representable levels, as

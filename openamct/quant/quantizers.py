@@ -49,7 +49,7 @@ def _dist_world() -> int:
 
 
 class ActULQ(nn.Module):
-    """INT8 ULQ activation quantizer (SPEC §4). One instance may be shared by several layers
+    """INT8 ULQ activation quantizer (docs/dev/reference.md, Algorithms). One instance may be shared by several layers
     reading the same tensor; a repeated call on the very same tensor object does not count as
     another initialisation batch."""
 
@@ -88,7 +88,7 @@ class ActULQ(nn.Module):
             return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
         # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
         # first call's output serves the others, so the fake quant and its backward run once
-        # per tensor, not once per reader (issue 19: each costs a dozen ops on the activation).
+        # per tensor, not once per reader (each costs a dozen ops on the activation).
         # Weak references: the output lives as long as its readers keep it, no longer.
         key = (x._version, self.clip_max._version, self.clip_min._version, self.fixed_min._version,
                torch.is_grad_enabled())

@@ -1,5 +1,5 @@
 """A quantizer on a tensor no layer produces: the output of a module (a residual block's Add, a
-ReLU) that a quantized layer and residual Adds both read (issue 14).
+ReLU) that a quantized layer and residual Adds both read.
 
 Why: ONNX Runtime runs such an Add as QLinearAdd only when it reads DQ(Q(t)), and the deploy
 writer gives it exactly that, with the quantizer of the layer that reads ``t``. Without the same

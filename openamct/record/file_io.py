@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from google.protobuf import text_format
 
@@ -13,8 +15,26 @@ from openamct.record.values import check_record_values
 
 logger = logging.getLogger(__name__)
 
+# Records of at least this many characters (or bytes, encoded) go to a ``FastText`` when the
+# caller gives one; smaller ones always go through ``text_format`` itself.
+LARGE_RECORD_BYTES = 1 << 20
 
-def read_record(path: str) -> ScaleOffsetRecord:
+
+@dataclass(frozen=True)
+class FastText:
+    """The record I/O's branch point: a printer and a parser of the record's text format that
+    give ``text_format``'s result byte for byte, only faster (``openamct.large``'s
+    ``RECORD_TEXT``: a 250M model's record prints >15x and parses 4.7x faster). Used for records
+    of ``LARGE_RECORD_BYTES`` and up, when a caller passes one as ``fast``.
+
+    ``merge(text, record)`` returns False for a text outside the subset it reads (``record`` is
+    then cleared and ``text_format`` reads the text, and gives its error messages)."""
+
+    print: Callable[[ScaleOffsetRecord], str]
+    merge: Callable[[str, ScaleOffsetRecord], bool]
+
+
+def read_record(path: str, fast: FastText | None = None) -> ScaleOffsetRecord:
     """Parse a record file; every problem is a ValueError naming the file (and line:column)."""
     if not os.path.isfile(path):
         raise ValueError(f"record_file {path!r} does not exist or is not a file")
@@ -29,7 +49,7 @@ def read_record(path: str) -> ScaleOffsetRecord:
     if not raw.strip():
         raise ValueError(f"record_file {path!r} is empty ({len(raw)} bytes): it was not written by create_* "
                          "(or was cut short); run create_* again to write it")
-    record = parse_record_text(text, f"record_file {path!r}")
+    record = parse_record_text(text, f"record_file {path!r}", fast)
     missing = record.FindInitializationErrors()
     if missing:
         raise ValueError(f"record_file {path!r}: missing required fields: {', '.join(missing)}")
@@ -37,26 +57,15 @@ def read_record(path: str) -> ScaleOffsetRecord:
     return record
 
 
-# Branch point: records of at least this many characters (or bytes, encoded) are printed and
-# parsed by ``large.text_writer`` / ``large.text_reader``, which give ``text_format``'s result
-# byte for byte (a 250M model's record prints >15x and parses 4.7x faster). Smaller ones go
-# through ``text_format`` itself.
-LARGE_RECORD_BYTES = 1 << 20
-
-
-def parse_record_text(text: str, what: str = "record") -> ScaleOffsetRecord:
+def parse_record_text(text: str, what: str = "record", fast: FastText | None = None) -> ScaleOffsetRecord:
     """The record a text holds, as ``text_format.Merge`` reads it; ``text_format`` itself for
-    small records, anything outside the plain subset writers print, and for its error messages
-    (line:column)."""
+    small records, without ``fast``, for anything outside ``fast``'s subset, and for its error
+    messages (line:column)."""
     record = ScaleOffsetRecord()
-    if len(text) >= LARGE_RECORD_BYTES:
-        from openamct.large.text_reader import Unsupported, fast_merge
-
-        try:
-            fast_merge(text, record)
+    if fast is not None and len(text) >= LARGE_RECORD_BYTES:
+        if fast.merge(text, record):
             return record
-        except Unsupported:
-            record.Clear()
+        record.Clear()
     try:
         text_format.Merge(text, record)
     except text_format.ParseError as exc:
@@ -64,17 +73,15 @@ def parse_record_text(text: str, what: str = "record") -> ScaleOffsetRecord:
     return record
 
 
-def record_to_text(record: ScaleOffsetRecord) -> str:
-    """``text_format.MessageToString(record)`` (``large.text_writer`` for a large record)."""
-    if record.ByteSize() >= LARGE_RECORD_BYTES:
-        from openamct.large.text_writer import message_to_text
-
-        return message_to_text(record)
+def record_to_text(record: ScaleOffsetRecord, fast: FastText | None = None) -> str:
+    """``text_format.MessageToString(record)`` (``fast.print`` for a large record)."""
+    if fast is not None and record.ByteSize() >= LARGE_RECORD_BYTES:
+        return fast.print(record)
     return text_format.MessageToString(record)
 
 
-def write_record(path: str, record: ScaleOffsetRecord, header: str = "") -> None:
+def write_record(path: str, record: ScaleOffsetRecord, header: str = "", fast: FastText | None = None) -> None:
     """Write atomically: temp file in the same folder, fsync, rename. ``header``: comment lines
     (the model's fingerprint) that text-format parsers skip."""
-    atomic_write_bytes(path, (header + record_to_text(record)).encode("utf-8"))
+    atomic_write_bytes(path, (header + record_to_text(record, fast)).encode("utf-8"))
     logger.debug("record written to %s", path)

@@ -1,4 +1,4 @@
-"""Range checks on what a record file holds, done where it is read (issue 16).
+"""Range checks on what a record file holds, done where it is read.
 
 Each failure is a ValueError naming the record file, the entry, the layer and the field:
 scales must be finite and > 0, offsets INT8 (weights: 0, the weight quantizer is symmetric),

@@ -1,4 +1,4 @@
-"""INT8 quantizers on the tensors between layers (issue 14): a Sigmoid or SiLU module right
+"""INT8 quantizers on the tensors between layers: a Sigmoid or SiLU module right
 after a quantized layer (through its folded BatchNorm) becomes a ``QuantizedActivation``.
 
 Why: ONNX Runtime has integer kernels for Sigmoid and Mul (QLinearSigmoid, QLinearMul) but runs

@@ -23,10 +23,10 @@ import torch
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, PRUNE_SKIPPED, prune_kind, winning_block
 from openamct.config.specs import NMSpec
-from openamct.large.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
-from openamct.prune.mask_codec import bits_of_words, num_words, pack_mask, unpack_bits, unpack_rows
 from openamct.record import attrs
+from openamct.record.mask_codec import bits_of_words, num_words, pack_mask, unpack_bits, unpack_rows
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
+from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, SidecarOut, SidecarReader
 from openamct.techniques.base import Context, Technique, selective_algorithm
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def masks_in_record(record: ScaleOffsetRecord, record_file: str | None = None,
 def packed_masks_in_record(record: ScaleOffsetRecord, record_file: str | None = None
                            ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
     """Layer name -> (mask shape, packed mask): what restore installs, never unpacked whole
-    (issue 19: a bool copy of every mask costs a byte per weight)."""
+    (a bool copy of every mask costs a byte per weight)."""
     masks = {}
     sidecars = SidecarReader(record_file)
     for pr in record.prune_record:
@@ -107,7 +107,7 @@ def check_nm_pattern(bits: torch.Tensor, shape: tuple[int, ...], axis: int, grou
 def excess_over_2_of_4(keep: torch.Tensor, axis: int, groups: int) -> int:
     """Kept weights beyond 2 per group of 4 along ``axis`` (each conv group padded on its own, as
     ``compute_nm_mask`` groups them). Counting, not recomputing a mask: restore checks every mask
-    twice, and recomputing took 30 of 51 s for a 60M-parameter model (issue 19)."""
+    twice, and recomputing took 30 of 51 s for a 60M-parameter model."""
     k = keep.movedim(axis, -1)
     k = k.unflatten(-1, (groups, k.shape[-1] // groups)).to(torch.uint8)
     pad = (-k.shape[-1]) % 4

@@ -78,14 +78,14 @@ def save(api: str, model: nn.Module, cfg: str, rec: str, prefix: str, x: torch.T
 def log_record_writes(rank: int) -> None:
     """Log each record write of this rank to ``writes_rank<r>.txt`` next to the record (this
     only observes openamct's writes)."""
-    from openamct.record import keeper as session
+    from openamct.training import keeper as session
 
     write = session.write_record
 
-    def logged(target, record, header=""):
+    def logged(target, record, header="", fast=None):
         with open(os.path.join(os.path.dirname(target), f"writes_rank{rank}.txt"), "a") as f:
             f.write(f"{target}\n")
-        write(target, record, header)
+        write(target, record, header, fast)
 
     session.write_record = logged
 

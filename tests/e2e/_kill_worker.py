@@ -70,19 +70,19 @@ def save_atomically(obj: dict, path: str) -> None:
 
 
 def journal_record_writes(workdir: str) -> None:
-    from openamct.record import keeper as session
     from openamct.record.file_io import record_to_text
+    from openamct.training import keeper as session
 
     journal = open(os.path.join(workdir, JOURNAL), "a")
     journal.write("\n")  # ends a line a kill may have cut short
     write = session.write_record
 
-    def journaled(path, record, header=""):
-        digest = hashlib.sha256((header + record_to_text(record)).encode("utf-8")).hexdigest()
+    def journaled(path, record, header="", fast=None):
+        digest = hashlib.sha256((header + record_to_text(record, fast)).encode("utf-8")).hexdigest()
         journal.write(digest + "\n")
         journal.flush()
         os.fsync(journal.fileno())
-        write(path, record, header)
+        write(path, record, header, fast)
 
     session.write_record = journaled
 

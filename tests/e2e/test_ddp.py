@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from openamct.prune.mask_codec import pack_bits
 from openamct.record.file_io import read_record
+from openamct.record.mask_codec import pack_bits
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import checkout_env
 from tests.e2e._ddp_worker import train_digits

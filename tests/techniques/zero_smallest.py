@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openamct.prune.mask_codec import pack_mask, unpack_mask
 from openamct.record import attrs
+from openamct.record.mask_codec import pack_mask, unpack_mask
 from openamct.techniques.base import Technique, selective_algorithm
 
 ALGORITHM = "zero_smallest"

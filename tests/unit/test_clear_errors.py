@@ -103,7 +103,7 @@ def test_a_vanished_record_folder_does_not_crash_the_forward(tmp_path, caplog):
     m(X)
     shutil.rmtree(folder)
     m.eval()
-    with caplog.at_level(logging.ERROR, logger="openamct.record.keeper"):
+    with caplog.at_level(logging.ERROR, logger="openamct.training.keeper"):
         m(X)
         m.train()
         m(X)

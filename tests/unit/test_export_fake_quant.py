@@ -222,24 +222,28 @@ def test_dict_input_data_and_data_parallel_wrapper(tmp_path):
     assert_same_quantized_function(ref, y, what="dict input")
 
 
-def test_folded_layers_keep_a_readable_float_weight(tmp_path):
+@pytest.mark.parametrize("deferred", [False, True], ids=["held", "deferred"])
+def test_folded_layers_keep_a_readable_float_weight(tmp_path, deferred):
     """Model code reads ``layer.weight`` during the export forward (HF ViT casts its input to
     ``projection.weight.dtype``, T5 checks ``wo.weight``): it stays the float [out, in] weight
     when the fake-quant model stores W^T (MatMul of a 3-D input) and when the deploy model
-    stores int8 (issue 19)."""
+    stores int8, held or deferred (computed when read: the streamed save's)."""
     from openamct.export.deploy import fold_deploy
     from openamct.export.export_layer import working_copy
     from openamct.export.fake_quant import fold_fake_quant
+    from openamct.large.deferred import DeferredWeight
+
+    defer = DeferredWeight if deferred else None
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)
     c, _ = _compressed(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)), x, tmp_path)
     expected = {n: m.effective_weight_bias()[0].detach() for n, m in c.named_modules() if isinstance(m, CompressedLayer)}
-    fake = fold_fake_quant(working_copy(c), amct_techniques(c))
+    fake = fold_fake_quant(working_copy(c), amct_techniques(c), defer)
     with torch.no_grad():
         fake(x)  # the first eager call stores W^T
     deploy = working_copy(c)
-    fold_deploy(deploy, amct_techniques(c))
+    fold_deploy(deploy, amct_techniques(c), defer)
     for name, w in expected.items():
         f, d = fake.get_submodule(name), deploy.get_submodule(name)
         assert hasattr(f, "weight_t") and not hasattr(d, "weight_t") and d.weight_int8.dtype == torch.int8

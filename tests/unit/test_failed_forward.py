@@ -55,7 +55,7 @@ def test_a_failed_forward_is_also_undone_by_the_next_forward(tmp_path):
 def test_a_mask_not_computed_yet_is_put_back_without_a_copy(tmp_path):
     """The first forward's snapshot keeps no copy of the all-kept masks it is due to compute
     (at 1.1B parameters 130 MB of new pages in the first step), and still puts them back."""
-    from openamct.compressed import rollback
+    from openamct.training import rollback
 
     (tmp_path / "c.cfg").write_text(CFG)
     x = torch.randn(2, 8, 1, 1)

@@ -1,4 +1,4 @@
-"""Masks at one bit per weight (prune/mask_codec.py; the workspace unpack of large/mask_bits.py):
+"""Masks at one bit per weight (record/mask_codec.py; the workspace unpack of large/mask_bits.py):
 the record's bit order, slices that start anywhere, and writes that report whether a bit changed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from openamct.large.mask_bits import unpack_rows_reused
 from openamct.large.workspace import Workspace
-from openamct.prune.mask_codec import (
+from openamct.record.mask_codec import (
     pack_bits,
     pack_mask,
     packed_size,

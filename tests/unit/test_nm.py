@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.prune.mask_codec import pack_mask, unpack_mask
 from openamct.prune.nm import NMSparsifier, compute_nm_mask, nm_axis, nm_eligible, nm_groups
+from openamct.record.mask_codec import pack_mask, unpack_mask
 
 
 def _groups_along(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -355,7 +355,7 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
     19): it refuses what the whole-mask count refuses, with the same counts, wherever the
     excess lies (here: only in the last row)."""
     from openamct.prune import nm
-    from openamct.prune.mask_codec import pack_bits
+    from openamct.record.mask_codec import pack_bits
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
 
     monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", slice_elems)
@@ -415,7 +415,7 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
     reference, on ties, signed zeros, +-inf and NaN; twice in a row, so the second run reads
     buffers the first one filled."""
     import openamct.prune.nm as nm
-    from openamct.large.mask_bits import keep24_into
+    from openamct.large.mask_bits import keep24_in_workspace, keep24_into
     from openamct.large.workspace import Workspace
 
     monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 24)  # several slices through the same buffers
@@ -425,6 +425,7 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
     for _ in range(2):
         w = vals[torch.randint(0, len(vals), shape, generator=gen)].to(dtype)
         sp = NMSparsifier(shape, axis, update_freq=0).train()
+        sp.keep24 = keep24_in_workspace  # the branch point, as build sets it on a CPU model
         sp(w)
         flat = w.float().nan_to_num(nan=float("inf")).movedim(axis, -1).reshape(-1, shape[axis])
         ref = _reference_mask(flat, 2, 4).reshape(*w.movedim(axis, -1).shape).movedim(-1, axis)

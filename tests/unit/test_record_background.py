@@ -7,7 +7,7 @@ import threading
 import torch
 
 import openamct as amct
-from openamct.record import keeper as keeper_mod
+from openamct.training import keeper as keeper_mod
 from tests.models import MODELS
 
 CFG = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 0 } } }\n"
@@ -24,9 +24,9 @@ def test_the_first_steps_record_is_written_off_the_training_thread_and_state_dic
     writers = []
     real = keeper_mod.write_record
 
-    def spy(path, record, header=""):
+    def spy(path, record, header="", fast=None):
         writers.append(threading.current_thread().name)
-        real(path, record, header)
+        real(path, record, header, fast)
 
     monkeypatch.setattr(keeper_mod, "write_record", spy)
     model, x = create(tmp_path, tmp_path)
@@ -46,7 +46,7 @@ def test_a_failed_background_write_is_logged_once_and_retried(tmp_path, caplog):
     model, x = create(tmp_path, folder)
     shutil.rmtree(folder)
     model.train()
-    with caplog.at_level(logging.ERROR, logger="openamct.record.keeper"):
+    with caplog.at_level(logging.ERROR, logger="openamct.training.keeper"):
         model(x)  # masks computed: the write fails on its thread
         model._openamct._writer.join()
         model(x)  # the failure is learnt at the next forward: logged, and the write tried again

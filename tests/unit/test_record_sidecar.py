@@ -15,10 +15,9 @@ import torch
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
-from openamct.large import sidecar
-from openamct.large.sidecar import FILE, FILE_SHA
-from openamct.record import attrs
+from openamct.record import attrs, sidecar
 from openamct.record.file_io import read_record
+from openamct.record.sidecar import FILE, FILE_SHA
 from openamct.techniques import sparsity24
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.models import MODELS
@@ -160,15 +159,15 @@ def test_a_forward_that_recomputes_masks_waits_for_the_mask_file_in_writing(tmp_
     """The mask file is written from the live masks, not a copy (a copy was 1/32 of the weights
     in new pages in the first step): a forward due to recompute them waits until the write in
     flight is done, or the file would hold masks other than those its name and hash say."""
-    from openamct.record import keeper
+    from openamct.training import keeper
 
     model, x, rec = trained(tmp_path, update_freq=1, steps=0)
     checked = []
     real = keeper._write
 
-    def slow(target, record, header, out):
+    def slow(target, record, header, out, fast=None):
         time.sleep(0.3)  # the next step's forward, which recomputes every mask, comes meanwhile
-        real(target, record, header, out)
+        real(target, record, header, out, fast)
         for blob in out.blobs:
             path = tmp_path / sidecar.sidecar_name(os.path.basename(rec), blob.sha256)
             checked.append(hashlib.sha256(path.read_bytes()).hexdigest() == blob.sha256)
@@ -183,7 +182,7 @@ def test_a_forward_that_recomputes_masks_waits_for_the_mask_file_in_writing(tmp_
 
 
 def test_load_state_dict_waits_for_the_mask_file_in_writing(tmp_path, sidecar_always, monkeypatch):
-    from openamct.record import keeper
+    from openamct.training import keeper
 
     model, x, rec = trained(tmp_path, steps=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}

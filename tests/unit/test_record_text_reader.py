@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from openamct.large.attach import RECORD_TEXT
 from openamct.large.text_reader import Unsupported, fast_merge
 from openamct.large.text_writer import message_to_text
 from openamct.record import file_io
@@ -98,9 +99,9 @@ def test_other_syntax_goes_to_text_format_with_the_same_result(text):
         text_format.Merge(text, want)
     except text_format.ParseError as exc:
         with pytest.raises(ValueError, match=str(exc).split(":")[0]):
-            parse_record_text(text)
+            parse_record_text(text, fast=RECORD_TEXT)
         return
-    assert parse_record_text(text).SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+    assert parse_record_text(text, fast=RECORD_TEXT).SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
 
 
 @pytest.mark.parametrize("text", [
@@ -110,7 +111,8 @@ def test_other_syntax_goes_to_text_format_with_the_same_result(text):
     "record { key: \"a\" } }",
     "record { value { scale_d: } }",
 ])
-def test_bad_records_get_text_formats_error_with_its_line_and_column(text, tmp_path):
+def test_bad_records_get_text_formats_error_with_its_line_and_column(text, tmp_path, monkeypatch):
+    monkeypatch.setattr(file_io, "LARGE_RECORD_BYTES", 0)  # the branch point, as for a large record
     with pytest.raises(Unsupported):
         fast_merge(text, ScaleOffsetRecord())
     with pytest.raises(text_format.ParseError) as want:
@@ -118,7 +120,7 @@ def test_bad_records_get_text_formats_error_with_its_line_and_column(text, tmp_p
     path = tmp_path / "rec.txt"
     path.write_text(text)
     with pytest.raises(ValueError) as got:
-        read_record(str(path))
+        read_record(str(path), RECORD_TEXT)
     assert str(want.value) in str(got.value) and "rec.txt" in str(got.value)
 
 
@@ -130,7 +132,7 @@ def test_read_record_takes_the_fast_path(tmp_path, monkeypatch):
     text_format.Merge(path.read_text(), want)
     monkeypatch.setattr(file_io, "LARGE_RECORD_BYTES", 0)  # the branch point, as for a large record
     monkeypatch.setattr(file_io.text_format, "Merge", lambda *a, **k: pytest.fail("slow parser"))
-    got = parse_record_text(path.read_text())
+    got = parse_record_text(path.read_text(), fast=RECORD_TEXT)
     assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
 
 

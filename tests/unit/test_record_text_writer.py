@@ -18,6 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.internal.type_checkers import ToShortestFloat
 
 from openamct.large import text_writer
+from openamct.large.attach import RECORD_TEXT
 from openamct.large.text_writer import message_to_text
 from openamct.record import file_io
 from openamct.record.file_io import record_to_text
@@ -94,11 +95,12 @@ def test_record_to_text_uses_the_fast_printer_for_a_large_record(monkeypatch):
     record.record.add(key="conv").value.scale_w.extend([0.001, 0.002])
     want = text_format.MessageToString(record)
     monkeypatch.setattr(text_writer, "_float_str", lambda v: pytest.fail("fast printer for a small record"))
-    assert file_io.record_to_text(record) == want  # below LARGE_RECORD_BYTES: text_format
+    assert file_io.record_to_text(record, RECORD_TEXT) == want  # below LARGE_RECORD_BYTES: text_format
     monkeypatch.undo()
     monkeypatch.setattr(file_io, "LARGE_RECORD_BYTES", 0)  # the branch point, as for a large record
+    assert file_io.record_to_text(record) == want  # no fast printer given: text_format
     monkeypatch.setattr(text_format, "MessageToString", lambda *a, **k: pytest.fail("slow printer"))
-    assert file_io.record_to_text(record) == want
+    assert file_io.record_to_text(record, RECORD_TEXT) == want
 
 
 # -- hand-built ----------------------------------------------------------------------------------

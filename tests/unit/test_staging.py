@@ -19,8 +19,14 @@ from openamct.export.export_layer import working_copy
 from openamct.export.fake_quant import fold_fake_quant
 from openamct.export.ids import SAVE_ID_KEY
 from openamct.export.writer import export_pair, export_to_file
-from openamct.large.deferred import PLACEHOLDER_DOMAIN, bind_placeholders
+from openamct.large.deferred import (
+    PLACEHOLDER_DOMAIN,
+    DeferredWeight,
+    bind_placeholders,
+    defer_tables,
+)
 from openamct.large.staging import _merged_order
+from openamct.large.streamed_save import export_pair_streamed
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -62,7 +68,7 @@ def _run(path, x):
 
 def test_the_exporter_sees_placeholders_not_weights(tmp_path):
     c, x = _compressed(tmp_path)
-    fake = fold_fake_quant(working_copy(c), c._openamct.techniques)
+    fake = fold_fake_quant(working_copy(c), c._openamct.techniques, defer=DeferredWeight)
     assert not any(p.numel() > 16 for n, p in fake.named_parameters()), "no folded weight is held"
     (tmp_path / "e").mkdir()
     proto = onnx.load(export_to_file(fake, x, str(tmp_path / "e")))
@@ -85,10 +91,15 @@ def test_a_weight_read_twice_is_bound_once():
         bind_placeholders(onnx.helper.make_model(onnx.helper.make_graph(nodes[:1], "g", [], [])), {})
 
 
+def streamed_pair(*args, **kwargs):
+    """``export_pair`` as the pipeline calls it for a CPU model (the streamed save)."""
+    return export_pair(*args, streamed_save=export_pair_streamed, **kwargs)
+
+
 def test_written_weights_are_the_folded_ones_in_the_exporters_order(tmp_path):
     c, x = _compressed(tmp_path)
     fake, deploy = str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx")
-    export_pair(c, fake, deploy, x)
+    streamed_pair(c, fake, deploy, x)
     expected = {n: m.effective_weight_bias()[0].detach() for n, m in c.named_modules() if isinstance(m, CompressedLayer)}
     f = onnx.load(fake)
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in f.graph.initializer}
@@ -114,8 +125,8 @@ def test_written_weights_are_the_folded_ones_in_the_exporters_order(tmp_path):
 
 def test_inline_and_external_files_are_the_same_model(tmp_path):
     c, x = _compressed(tmp_path)
-    export_pair(c, str(tmp_path / "a_f.onnx"), str(tmp_path / "a_d.onnx"), x)
-    export_pair(c, str(tmp_path / "b_f.onnx"), str(tmp_path / "b_d.onnx"), x, external_threshold=0)
+    streamed_pair(c, str(tmp_path / "a_f.onnx"), str(tmp_path / "a_d.onnx"), x)
+    streamed_pair(c, str(tmp_path / "b_f.onnx"), str(tmp_path / "b_d.onnx"), x, external_threshold=0)
     for kind in ("f", "d"):
         a = onnx.load(str(tmp_path / f"a_{kind}.onnx"))
         b = onnx.load(str(tmp_path / f"b_{kind}.onnx"))
@@ -136,7 +147,7 @@ def test_the_save_id_follows_the_weights(tmp_path):
     ids = []
     for seed, tag in ((0, "x"), (0, "y"), (1, "z")):
         c, x = _compressed(tmp_path, seed=seed)
-        export_pair(c, str(tmp_path / f"{tag}_f.onnx"), str(tmp_path / f"{tag}_d.onnx"), x)
+        streamed_pair(c, str(tmp_path / f"{tag}_f.onnx"), str(tmp_path / f"{tag}_d.onnx"), x)
         ids.append({p.key: p.value for p in onnx.load(str(tmp_path / f"{tag}_f.onnx")).metadata_props}[SAVE_ID_KEY])
     assert ids[0] == ids[1] != ids[2]
 
@@ -204,7 +215,7 @@ class ReadsWeight(nn.Module):
 
 def test_model_code_may_read_a_deferred_weight_while_it_is_traced(tmp_path):
     c, x = _compressed(tmp_path, ReadsWeight())
-    export_pair(c, str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx"), x)
+    streamed_pair(c, str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx"), x)
     with torch.no_grad():
         ref = c(x).numpy()
     np.testing.assert_allclose(_run(str(tmp_path / "f.onnx"), x), ref, rtol=0, atol=1e-5)
@@ -232,11 +243,12 @@ def test_an_embedding_table_is_written_from_the_models_tensor(tmp_path):
     c.eval()
     with torch.no_grad():
         c(ids)
-    fake = fold_fake_quant(working_copy(c), c._openamct.techniques)
+    fake = fold_fake_quant(working_copy(c), c._openamct.techniques, defer=DeferredWeight)
+    defer_tables(fake)
     (tmp_path / "e").mkdir()
     traced = onnx.load(export_to_file(fake, ids, str(tmp_path / "e")))
     assert not any(t.name == "emb.weight" for t in traced.graph.initializer), "the exporter never held the table"
-    export_pair(c, str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx"), ids)
+    streamed_pair(c, str(tmp_path / "f.onnx"), str(tmp_path / "d.onnx"), ids)
     for f in ("f.onnx", "d.onnx"):
         inits = {t.name: t for t in onnx.load(str(tmp_path / f)).graph.initializer}
         np.testing.assert_array_equal(onnx.numpy_helper.to_array(inits["emb.weight"]), model.emb.weight.detach().numpy())
@@ -269,8 +281,7 @@ def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
     """A zero-stride placeholder made every matmul copy it out whole first: a save at 1.1B
     parameters faulted 9.08 GB (now 2.23), its fake-quant export peaking +0.27 W."""
     from openamct.export.deploy import fold_deploy
-    from openamct.export.export_layer import deferred_weights
-    from openamct.large.deferred import ZeroPages
+    from openamct.large.deferred import ZeroPages, deferred_weights
 
     torch.manual_seed(0)
     x = torch.randn(1, 1, 64)  # activations (at most 2 KB) well under the smallest weight (16 KB)
@@ -282,9 +293,10 @@ def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
         c(x)
     work = working_copy(c)
     if kind == "fake":
-        work = fold_fake_quant(work, c._openamct.techniques)
+        work = fold_fake_quant(work, c._openamct.techniques, defer=DeferredWeight)
     else:
-        fold_deploy(work, c._openamct.techniques)
+        fold_deploy(work, c._openamct.techniques, defer=DeferredWeight)
+    defer_tables(work)
     smallest_weight = 64 * 64 * 4
     zeros = ZeroPages()  # one for the save, as streamed_save gives its weights
     for d in deferred_weights(work)[0].values():
@@ -300,7 +312,8 @@ def test_eager_calls_of_a_folded_model_copy_out_no_weight(tmp_path, kind):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth():
     from benchmarks.memory_probe import rss
-    from openamct.large.deferred import ZeroPages, is_placeholder
+    from openamct.export.export_layer import is_placeholder
+    from openamct.large.deferred import ZeroPages
 
     zeros = ZeroPages()
     try:

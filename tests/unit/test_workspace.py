@@ -37,7 +37,7 @@ def test_each_thread_has_its_own_buffers():
 
 def test_a_mask_recompute_runs_its_slices_in_one_workspace(monkeypatch):
     """A recompute of several slices computes each in the buffers of one workspace made for it
-    (nm._keep_of, the CPU branch), and a second recompute makes a new one (no module state)."""
+    (nm._keep_of's branch, ``NMSparsifier.keep24``), and a second recompute makes a new one (no module state)."""
     import openamct.prune.nm as nm
     from openamct.large import mask_bits
     from openamct.prune.nm import NMSparsifier
@@ -53,6 +53,7 @@ def test_a_mask_recompute_runs_its_slices_in_one_workspace(monkeypatch):
     monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 64 * 8)  # several slices per recompute
     lin = nn.Linear(64, 32)
     sp = NMSparsifier.from_module(lin, update_freq=1).train()
+    sp.keep24 = mask_bits.keep24_in_workspace  # the branch point, as build sets it on a CPU model
     sp(lin.weight.detach())
     assert len(seen) > 2 and len({ws for ws, _ in seen}) == 1
     assert seen[1][1] and all(ptrs == seen[1][1] for _, ptrs in seen[2:])  # no new buffer per slice

@@ -1,6 +1,6 @@
 """Bit-packing of 0/1 sparsity masks into signed int64 words for the prune record.
 
-Layout (SPEC.md section 3, ``selective_prune``'s ``selective_mask``): flatten the mask in C
+Layout (upstream's ``selective_prune`` ``selective_mask``, docs/dev/reference.md, Record): flatten the mask in C
 order; pack 8 elements per byte with the FIRST element in the byte's most significant bit
 (``numpy.packbits``' default), zero-pad to whole 8-byte words and read each 8 bytes as a
 little-endian int64. That is upstream AMCT's layout, so records stay readable both ways. The last

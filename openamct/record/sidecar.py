@@ -1,4 +1,4 @@
-"""Large 2:4 masks kept beside the record, in one binary file the record names (issue 19).
+"""Large 2:4 masks kept beside the record, in one binary file the record names.
 
 Inline, a mask costs ~20 bytes of text per 64 weights: 116 MB for a 246M-parameter model,
 rewritten every time a scale changes. Above ``SIDECAR_MIN_WEIGHTS`` masked weights in total the
@@ -28,8 +28,8 @@ import numpy as np
 from torch import Tensor
 
 from openamct._atomic import atomic_write_bytes
-from openamct.prune.mask_codec import words_of_bits
 from openamct.record import attrs
+from openamct.record.mask_codec import words_of_bits
 from openamct.record.scale_offset_record_pb2 import PruneNode, ScaleOffsetRecord
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ class MaskBlob:
     """The packed words of a set of masks, back to back, with each mask's offset: the masks'
     own bits, read where they lie (``mask_codec.words_of_bits``), not a copy. A copy cost the
     first training step 1/32 of the weights' bytes in new pages (130 MB at 1.1B parameters,
-    0.9 s on these VMs). So the masks must not change while a write reads them: the record
+    0.9 s on a 2-core EPYC). So the masks must not change while a write reads them: the record
     keeper joins its write before a forward that computes a mask, before a failed forward's
-    masks are put back and before ``load_state_dict`` (keeper.py). Changed masks get a new
+    masks are put back and before ``load_state_dict`` (training/keeper.py). Changed masks get a new
     blob (the owner keys it by the masks' versions). The SHA-256 is computed on first use,
     which ``SidecarOut.finish`` leaves to the thread that writes the record: at 250M parameters
     it was 13-80 ms of the training step (SHA-NI or not), at 1.1B up to 0.5 s."""

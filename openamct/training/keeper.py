@@ -10,7 +10,7 @@ every rank of a DDP job can hold a keeper.
 A write that a training forward triggers (the first batch's 2:4 masks) is not done inside the
 step: the record is built from the model there (cheap: the layers hold their masks packed in
 the record's bit order, and the mask file's content is kept per set of mask versions), and serialised and written by one background thread while backward and the optimizer
-run (issue 19). At most one such write is in flight; ``wait()`` joins it, and everything that
+run. At most one such write is in flight; ``wait()`` joins it, and everything that
 reads or replaces the record joins it first: the next write, an eval-mode write, ``flush``
 (create, save), ``state_dict`` (a checkpoint must not be newer than the record it goes with
 unnoticed) and interpreter exit (the thread is not a daemon).
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from openamct.large.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
 from openamct.record.file_io import write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.record.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class RecordKeeper:
         self._last: tuple | None = None
         self.header = ""  # comment lines written above the record: the model's fingerprint
         self.large = None  # the model's LargeRuntime (large/runtime.py) when build gave it one
+        self.record_text = None  # the record's fast printer (record.file_io.FastText) when build gave one
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()
@@ -74,7 +75,7 @@ class RecordKeeper:
         model._register_load_state_dict_pre_hook(lambda *_: self.wait())
 
     def undo_failed_forward(self) -> None:
-        """Put back the state a forward that raised had changed (see compressed/rollback.py)."""
+        """Put back the state a forward that raised had changed (see training/rollback.py)."""
         snap, self._snapshot = getattr(self, "_snapshot", None), None
         if snap is not None:
             if snap.masks_due:
@@ -83,7 +84,7 @@ class RecordKeeper:
             logger.debug("state of a forward that raised put back")
 
     def before_forward(self, model: nn.Module, args) -> None:
-        from openamct.compressed.rollback import ForwardSnapshot
+        from openamct.training.rollback import ForwardSnapshot
 
         self.undo_failed_forward()
         self._snapshot = ForwardSnapshot(self.layers, model.training, model)
@@ -190,7 +191,7 @@ class RecordKeeper:
             write_sidecars(target, sidecar.blobs)  # nothing to do unless one was deleted
             logger.debug("record %s unchanged: not rewritten", target)
             return
-        _write(target, record, self.header, sidecar)
+        _write(target, record, self.header, sidecar, self.record_text)
         self._last = (full, record, self.header, _stat(full))
         logger.debug("record written: %s", target)
 
@@ -203,9 +204,9 @@ def _stat(path: str) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-def _write(target: str, record: ScaleOffsetRecord, header: str, sidecar: SidecarOut) -> None:
+def _write(target: str, record: ScaleOffsetRecord, header: str, sidecar: SidecarOut, fast=None) -> None:
     """Mask file first, then the record, then older mask files: a crash between any two leaves
     a record whose mask file exists (sidecar.py)."""
     write_sidecars(target, sidecar.blobs)
-    write_record(target, record, header)
+    write_record(target, record, header, fast)
     remove_unnamed_sidecars(target, record)
