@@ -56,7 +56,7 @@ def inspect_model(model: nn.Module, input_data: Any, config: str, api: str) -> I
     params0, macs0 = count_params(work), count_macs(work, input_data)
     before = {n: getattr(m, "out_channels", getattr(m, "out_features", None)) for n, m in work.named_modules()}
     blocked = []
-    ctx = Context(work, a.graph, a.layers, a.plan, ScaleOffsetRecord(), restoring=False)
+    ctx = Context(work, a.graph, a.layers, a.plan, ScaleOffsetRecord(), restoring=False, input_data=input_data)
     pruning = FilterPruning()
     if pruning.wanted(ctx):  # the channel counts after pruning; nothing else changes shapes
         state = pruning.plan(ctx)

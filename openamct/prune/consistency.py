@@ -61,6 +61,8 @@ def _forward_fails(model: nn.Module, groups: list[PruneGroup], input_data: Any) 
 
 def consistent_groups(model: nn.Module, groups: list[PruneGroup], input_data: Any) -> list[PruneGroup]:
     """The groups whose channel removal the forward can follow (``model`` is left as it was)."""
+    if input_data is None:
+        raise ValueError("filter prune: the consistency check needs the caller's input_data")
     if not groups or _forward_fails(model, groups, input_data) is None:
         return groups
     kept, dropped = [], []
