@@ -156,18 +156,18 @@ def qs_with_overrides(c, calib: list[torch.Tensor], folder: str, title: str) -> 
     """The other way to build the deploy model: export openamct's folded float model (fake-quant
     weights, BN folded) and let quantize_static place Q/DQ, with our trained input scales as
     TensorQuantOverrides; it calibrates everything else (MinMax, same batches)."""
-    from openamct.export.export_layer import ExportLayer, fold_layers, working_copy
+    from openamct.export.export_layer import fold_layers, working_copy
     from openamct.export.writer import export_onnx
 
     scales = {}
 
-    def build(name, layer, w, b):
+    def build(name, layer, w, parts):
         if layer.act_quant is not None:
             scales[f"{name}.weight"] = layer.act_quant.scale_offset()
-        return ExportLayer(layer, w, b, gemm_2d=True)
+        return {"gemm_2d": True}
 
     work = working_copy(c)
-    fold_layers(work, build)
+    fold_layers(work, build, c._openamct.techniques)
     path = os.path.join(folder, f"{title}_folded_fp32.onnx")
     onnx.save(export_onnx(work, calib[0][:1], ["x"], None, {"x": [0]}), path)
     from onnxruntime.quantization.shape_inference import quant_pre_process
