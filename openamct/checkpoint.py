@@ -12,6 +12,7 @@ from torch import nn
 
 from openamct._checks import all_finite
 from openamct.log_summary import warn_grouped
+from openamct.training.decisions import KEY as DECISIONS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,9 @@ def load_into(model: nn.Module, pth_file: str, state_dict_name: str | None, load
     ``load_parts(model, sd, own, from_file, where)`` returns the collapsed quantizers' names."""
     sd, mapped = _read(pth_file, state_dict_name)
     own = model.state_dict()
+    if DECISIONS_KEY in own and DECISIONS_KEY not in sd:
+        # A checkpoint from before models carried their decisions: nothing to compare with.
+        own.pop(DECISIONS_KEY)
     from_file = set(sd) if mapped else set()  # not the masks packed below: those are new memory
     sd = _pack_legacy_masks(sd, own, model, pth_file)
     missing = [k for k in own if k not in sd]

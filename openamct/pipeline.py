@@ -32,6 +32,7 @@ from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques import TECHNIQUES, Context, Technique, ordered
+from openamct.training import decisions
 from openamct.training.keeper import RecordKeeper
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,11 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
+    own = ScaleOffsetRecord()
+    for technique, state in applied:
+        technique.to_record(state, layers, own)
+    keeper.decisions = decisions.of_record(techniques, own)
+    decisions.attach(work, keeper.decisions)
     large.at_build(work, keeper, layers)  # the large-model hooks (openamct/large/__init__.py)
     return work
 
@@ -147,6 +153,7 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
     work = _build(model, input_data, config, record_file, api, True, config_arg, techniques)
     load_into(work, pth_file, state_dict_name, large.part_loader(work))
+    decisions.check_checkpoint(work, work._openamct.decisions, pth_file)
     try:
         work._openamct.after_checkpoint()
     except ValueError as exc:  # a technique refusing the checkpoint's values
@@ -180,6 +187,7 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
             f"the activation quantizers of {len(pending)} layer(s) ({', '.join(pending[:4])}{' ...' if len(pending) > 4 else ''}) "
             "are not initialised yet: run the compressed model on real data first (clips are initialised from the "
             "first batch_num forward passes), e.g. model.eval(); model(x) with a real batch, then call save_* again")
+    decisions.check_record_file(model, keeper.techniques, record_file or keeper.path)
     try:
         keeper.flush(record_file)
     except OSError as exc:

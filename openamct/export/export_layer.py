@@ -27,6 +27,7 @@ from openamct.quant.activation import QuantizedActivation
 from openamct.quant.functions import QMAX, QMIN, to_channel_major
 from openamct.quant.residual import swap_hook_quantizers
 from openamct.techniques.base import ExportParts, Technique
+from openamct.training.decisions import KEY as DECISIONS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ def working_copy(model: nn.Module) -> nn.Module:
             for key in [k for k, h in hooks.items() if getattr(h, "__self__", None) is keeper]:
                 del hooks[key]
         del work._openamct
+    work._buffers.pop(DECISIONS_KEY, None)  # the record identity is for restore and save, not the ONNX
     return work.eval()
 
 

@@ -156,6 +156,12 @@ class Technique:
     def after_checkpoint(self, state: Any, layers: dict[str, nn.Module]) -> None:
         """Restore: reconcile with the checkpoint's values, just loaded over the record's."""
 
+    def decisions(self, record: ScaleOffsetRecord) -> list[tuple[str, bytes]]:
+        """(layer, bytes) of this technique's entries in ``record`` that fix choices the trained
+        weights depend on but a checkpoint's keys and shapes cannot show (which channels were
+        removed). The model carries their digests; restore and save compare them with a record."""
+        return []
+
     def losses(self, state: Any) -> dict[str, Tensor]:
         """Terms of the last training forward the user adds to the loss (none by default)."""
         return {}

@@ -112,6 +112,11 @@ class FilterPruning(Technique):
         if state.groups:
             guard_unseen_layers(ctx.model, [n for n, i in ctx.layers.items() if i.excluded == NEVER_CALLED])
 
+    def decisions(self, record: ScaleOffsetRecord) -> list[tuple[str, bytes]]:
+        # Which channels each group lost: same counts, other indices give the same shapes.
+        return [(pr.producer[0].name if pr.producer else "?", pr.SerializeToString(deterministic=True))
+                for pr in record.prune_record if self.owns(pr)]
+
     def to_record(self, state: FilterState, layers, record: ScaleOffsetRecord) -> None:
         for entry in state.entries:
             record.prune_record.add().CopyFrom(entry)

@@ -41,6 +41,7 @@ def is_writer_rank() -> bool:
 class RecordKeeper:
     def __init__(self, path: str, applied: list[tuple[Any, Any]], layers: dict[str, nn.Module]) -> None:
         self.path = path
+        self.decisions: list[tuple[str, int]] = []  # (layer, digest) the model carries (training/decisions.py)
         self.applied = applied  # (technique, its state), in the order they were applied
         self.layers = layers  # name -> CompressedLayer
         self._trained = False
