@@ -40,9 +40,9 @@ def working_copy(model: nn.Module) -> nn.Module:
 
     The weights and biases of the layers, and the parameters of the model's own modules
     (embeddings, norms), are shared, not copied: folding reads them and writes new tensors, and
-    nothing in the export writes to them, so a save holds no second copy of the model (issue
-    19). So are computed 2:4 masks (packed bits); openamct's quantizers and
-    uncomputed masks are copied: an eval forward may still initialise them.
+    nothing in the export writes to them, so a save holds no second copy of the model. So are
+    computed 2:4 masks (packed bits); openamct's quantizers and uncomputed masks are copied: an
+    eval forward may still initialise them.
     """
     src = unwrap(model)
     memo = {id(p): p for m in src.modules() if isinstance(m, CompressedLayer) or not _is_ours(m)

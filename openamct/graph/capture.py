@@ -85,8 +85,8 @@ class _Builder:
         self.nodes: list[Node] = []
         # id(tensor) -> (weak reference to it, its info). Weak: a forward frees each activation
         # once its last reader has run, and so does the capture (holding them all cost the
-        # whole forward's activations at once: +0.28x a 60M model's weights at create, issue
-        # 19); a freed tensor's id may come back for a new one, which the dead reference tells.
+        # whole forward's activations at once: +0.28x a 60M model's weights at create); a
+        # freed tensor's id may come back for a new one, which the dead reference tells.
         self.by_id: dict[int, tuple[weakref.ref, TensorInfo]] = {}
         self.next_key = 0
         self.counters: dict[str, int] = {}
