@@ -111,3 +111,22 @@ def test_imports_point_one_way():
                     wrong.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno}: {src} imports {dst}, "
                                  "which is not below it")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_package_speaks_to_its_users():
+    """Comments and docstrings say what the code does and why; the project's history (issue
+    numbers, notes about one machine, references to files outside the repository) is in git."""
+    import re
+
+    history = re.compile(r"\b[Ii]ssues?\s*#?\s*\d+|\bthese\s+VMs\b|\bthis\s+VM\b|SPEC\s*§|PLATFORM-NOTES")
+    root = os.path.dirname(PACKAGE)
+    found = []
+    for path in [*_package_files(), os.path.join(root, "README.md"),
+                 *(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "docs")) for f in fs)]:
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        found += [f"{os.path.relpath(path, root)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+                  for m in history.finditer(text)]
+    assert not found, "\n".join(found)
