@@ -20,6 +20,7 @@ from torch import nn
 from openamct.checkpoint import load_into
 from openamct.compressed.embedding_grad import pool_embedding_grads
 from openamct.compressed.layer import CompressedLayer
+from openamct.compressed.placement import place_added_modules
 from openamct.config.source import load_plan
 from openamct.config.specs import Plan
 from openamct.graph.capture import capture_graph
@@ -102,6 +103,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         if parts.act_quant is not None and not getattr(parts.act_quant, "layer_name", "x"):
             parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
+    place_added_modules(work, layers)
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)

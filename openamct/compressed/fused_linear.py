@@ -230,10 +230,14 @@ class _MaskedQuantLinear(Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         if need_x:  # g @ E (E.T when stored transposed): E's rows are summed over, or g's columns
-            if codes is not None and bool(scales.isfinite().all()):
+            if codes is not None:
+                # A channel whose scale is not finite (a weight that is not finite, whose codes
+                # int8 cannot hold) is all NaN in E, as rebuilding E from w makes it: its scale
+                # becomes NaN (a select, no host read of the scales).
+                scales = scales.where(scales.isfinite(), float("nan"))
                 gx = _dequantized_product(g, codes, scales, channel_wise, int(transposed), w.dtype,
                                           reduce=not transposed)
-            else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
+            else:  # no codes
                 gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales)[0]
         if need_w:  # straight through the mask and the quantizer (SPEC §4)
             lhs, rhs = (x.t(), g) if transposed else (g.t(), x)

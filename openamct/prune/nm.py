@@ -269,6 +269,10 @@ class NMSparsifier(nn.Module):
         # device sync per layer per step on accelerators. Refreshed on every state_dict load.
         self._ready = False
         self._step = 0
+        # ``version`` reads ``_changes`` only after one of these events (a mask installed,
+        # loaded or put back): the record keeper asks for it after every forward.
+        self._installs = 0
+        self._version_read = (-1, 0)
 
     @classmethod
     def from_module(cls, module: nn.Module, update_freq: int) -> NMSparsifier:
@@ -283,7 +287,13 @@ class NMSparsifier(nn.Module):
 
     @property
     def version(self) -> int:
-        return int(self._changes.item())
+        if self._version_read[0] != self._installs:  # the counter may have moved: read it
+            self._version_read = (self._installs, int(self._changes.item()))
+        return self._version_read[1]
+
+    def changes_written(self) -> None:
+        """``_changes`` was written outside ``_mark_installed``/loading: ``version`` reads it again."""
+        self._installs += 1
 
     @property
     def mask(self) -> Tensor:
@@ -377,6 +387,7 @@ class NMSparsifier(nn.Module):
 
     def _mark_installed(self, changed: Tensor | None) -> None:
         self._changes.add_(changed if self._ready and changed is not None else 1)
+        self._installs += 1
         self.mask_ready.fill_(True)
         self._ready = True
 
@@ -425,6 +436,7 @@ class NMSparsifier(nn.Module):
                 self._changes.add_(1)
         self._ready = bool(self.mask_ready.item())
         self._step = int(self.step.item())
+        self._installs += 1
 
 
 def _all_kept(numel: int, device) -> Tensor:
