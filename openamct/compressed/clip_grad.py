@@ -34,10 +34,10 @@ class _InputClipGrad(Function):
     def backward(ctx, g_out):
         x, xq, w, s, zp, cmax, cmin = ctx.saved_tensors
         fixed_min, op, pdtype = ctx.consts
-        w = w.detach()
+        w = w.detach().float()  # float32 sums, whatever dtype autocast gave the op
         y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s
         x_lo, x_hi = torch.aminmax(x)
-        g = g_out.reshape(-1)
+        g = g_out.reshape(-1).float()
         grad_min = None
         # The one host read of this path, which runs on the CPU only (``CompressedLayer._taps_input``):
         # nothing saturated needs one op, else two.

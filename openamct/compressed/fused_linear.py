@@ -297,6 +297,8 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # torch < 2.4 has no device argument
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+    except RuntimeError:  # a device type autocast does not know (meta): never on there
+        return False
 
 
 def _eager_float(x: Tensor, w: Tensor) -> bool:
