@@ -160,20 +160,25 @@ class ULQActFunction(Function):
         with _no_autocast(x):
             g = g.to(x.dtype)
             y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s  # float32, as the scalar code rounded them
-            up, lo = x > y_hi, x < y_lo
-            # g where y_lo <= x <= y_hi else 0 (a NaN x passes g, as hardtanh_backward did)
-            gx = g.masked_fill(up | lo, 0.0)
+            # sat: +1 above y_hi, -1 below y_lo, 0 in range (read from the clamp, so every pass
+            # takes the bounds as tensors and none is a masked select).
+            x_c = torch.clamp(x, y_lo, y_hi)
+            sat = torch.sub(x, x_c).sign_()
+            mag = sat.abs()
+            gx = torch.addcmul(g, g, mag, value=-1.0)  # g in range, 0 outside
             grad_max = grad_min = None
             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-                # x = +-inf is left out of the saturated sums, as before (hardtanh_backward's bounds).
-                g_up = torch.where(up & (x < math.inf), g, 0.0).sum()
-                y = fake_quant_per_tensor(x, s, zp)
-                s_in = torch.dot((y - x).reshape(-1), gx.reshape(-1)) / (LEVELS * s)
+                # y - x in range (y = fake_quant(x_c), the same values there); 0 outside, where
+                # x_c sits on the outermost level, so g needs no mask in this dot.
+                y = torch.mul(x_c, torch.reciprocal(s)).round_().mul_(s)
+                s_in = torch.dot(y.sub_(x_c).reshape(-1), g.reshape(-1)) / (LEVELS * s)
+                g_diff = torch.dot(g.reshape(-1), sat.reshape(-1))  # g_up - g_lo
+                g_sum = torch.dot(g.reshape(-1), mag.reshape(-1))  # g_up + g_lo
+                g_up, g_lo = (g_sum + g_diff) / 2, (g_sum - g_diff) / 2
                 e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
                 grad_max = s_in + (1.0 + e_up) * g_up
                 if not fixed_min:  # fixed_min pins cmin at 0: e_lo = 0 and no clip_min gradient
                     e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
-                    g_lo = torch.where(lo & (x > -math.inf), g, 0.0).sum()
                     grad_max = grad_max + e_lo * g_lo
                     grad_min = (-s_in - e_up * g_up + (1.0 - e_lo) * g_lo).to(pdtype)
                 grad_max = grad_max.to(pdtype)
