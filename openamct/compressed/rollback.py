@@ -83,7 +83,7 @@ def _put(m: nn.Module, state) -> None:
         m.step.copy_(step)
         m.mask_ready.copy_(ready)
         m._changes.copy_(changes)
-        m.changes_written()
+        m._installs += 1  # ``version`` reads the counter put back
         if mask is _ALL_KEPT:
             m.reset_all_kept()
         elif mask is not None:

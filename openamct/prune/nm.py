@@ -269,9 +269,7 @@ class NMSparsifier(nn.Module):
         # device sync per layer per step on accelerators. Refreshed on every state_dict load.
         self._ready = False
         self._step = 0
-        # ``version`` reads ``_changes`` only after one of these events (a mask installed,
-        # loaded or put back): the record keeper asks for it after every forward.
-        self._installs = 0
+        self._installs = 0  # masks installed/loaded/put back: ``version`` reads ``_changes`` after one
         self._version_read = (-1, 0)
 
     @classmethod
@@ -290,10 +288,6 @@ class NMSparsifier(nn.Module):
         if self._version_read[0] != self._installs:  # the counter may have moved: read it
             self._version_read = (self._installs, int(self._changes.item()))
         return self._version_read[1]
-
-    def changes_written(self) -> None:
-        """``_changes`` was written outside ``_mark_installed``/loading: ``version`` reads it again."""
-        self._installs += 1
 
     @property
     def mask(self) -> Tensor:
