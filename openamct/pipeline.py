@@ -34,6 +34,7 @@ from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques import TECHNIQUES, Context, Technique, ordered
 from openamct.training import decisions
 from openamct.training.keeper import RecordKeeper
+from openamct.training.placement import place_added_modules
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         if parts.act_quant is not None and not getattr(parts.act_quant, "layer_name", "x"):
             parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
+    place_added_modules(work, layers)
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)

@@ -8,7 +8,6 @@ on (x_q - x) instead.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd import Function
@@ -24,8 +23,8 @@ class _InputClipGrad(Function):
 
     @staticmethod
     def forward(ctx, out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op):
-        ctx.save_for_backward(x, xq, w)
-        ctx.consts = (qparams, fixed_min, op, clip_max.dtype)
+        ctx.save_for_backward(x, xq, w, *qparams)
+        ctx.consts = (fixed_min, op, clip_max.dtype)
         # Returned as itself, declared "modified in place": a view would forbid a following
         # in-place op (ReLU(inplace=True)), a clone would cost a pass and memory.
         ctx.mark_dirty(out)
@@ -33,35 +32,36 @@ class _InputClipGrad(Function):
 
     @staticmethod
     def backward(ctx, g_out):
-        x, xq, w = ctx.saved_tensors
-        (s, zp, cmax, cmin), fixed_min, op, pdtype = ctx.consts
-        w = w.detach()
-        y_lo, y_hi = float(np.float32((QMIN - zp) * s)), float(np.float32((QMAX - zp) * s))
-        x_lo, x_hi = (v.item() for v in torch.aminmax(x))
-        g = g_out.reshape(-1)
+        x, xq, w, s, zp, cmax, cmin = ctx.saved_tensors
+        fixed_min, op, pdtype = ctx.consts
+        w = w.detach().float()  # float32 sums, whatever dtype autocast gave the op
+        y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s
+        x_lo, x_hi = torch.aminmax(x)
+        g = g_out.reshape(-1).float()
         grad_min = None
-        if y_lo <= x_lo and x_hi <= y_hi:
-            grad_max = torch.dot(g, op(xq - x, w, None).reshape(-1)).item() / (LEVELS * s)
+        # The one host read of this path, which runs on the CPU only (``CompressedLayer._taps_input``):
+        # nothing saturated needs one op, else two.
+        if bool((y_lo <= x_lo) & (x_hi <= y_hi)):
+            grad_max = torch.dot(g, op(xq - x, w, None).reshape(-1)) / (LEVELS * s)
             grad_min = -grad_max
         else:
-            e_up = (round(cmax / s) - cmax / s) / LEVELS
-            e_lo = (round(cmin / s) - cmin / s) / LEVELS
+            e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
+            e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
             up, lo = x > y_hi, x < y_lo
             c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (LEVELS * s)))
-            grad_max = torch.dot(g, op(c_max, w, None).reshape(-1)).item()
+            grad_max = torch.dot(g, op(c_max, w, None).reshape(-1))
             if not fixed_min:  # c_min = saturated - c_max
                 sat = (up | lo).to(x.dtype)
-                grad_min = torch.dot(g, op(sat, w, None).reshape(-1)).item() - grad_max
-        kw = {"dtype": pdtype, "device": x.device}
-        return (g_out, torch.tensor(grad_max, **kw),
-                None if fixed_min else torch.tensor(grad_min, **kw),
+                grad_min = torch.dot(g, op(sat, w, None).reshape(-1)) - grad_max
+        return (g_out, grad_max.to(pdtype), None if fixed_min else grad_min.to(pdtype),
                 None, None, None, None, None, None)
 
 
 def input_clip_grad(out: Tensor, clip_max: Tensor, clip_min: Tensor, x: Tensor, xq: Tensor,
-                    w: Tensor, qparams: tuple[float, int, float, float], fixed_min: bool,
+                    w: Tensor, qparams: tuple[Tensor, Tensor, Tensor, Tensor], fixed_min: bool,
                     op) -> Tensor:
-    """``out`` (= op(xq, w, b)) unchanged, plus clip gradients for xq = ULQ(x); see _InputClipGrad."""
+    """``out`` (= op(xq, w, b)) unchanged, plus clip gradients for xq = ULQ(x); see _InputClipGrad.
+    ``qparams``: ``ulq_qparams`` of the clips (tensors on the device)."""
     return _InputClipGrad.apply(out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op)
 
 

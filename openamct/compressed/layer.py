@@ -26,8 +26,8 @@ from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
-from openamct.quant.functions import graph_mode, ulq_qparams_float
-from openamct.quant.quantizers import ActULQ, RangeObserver, WeightARQ, WeightULQ
+from openamct.quant.functions import graph_mode, ulq_qparams
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightARQ, WeightULQ, host_flag
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +109,12 @@ class CompressedLayer(WeightOp):
             if hasattr(wts_quant, "bind"):
                 wts_quant.bind(axis, groups)
             layer.wts_quant = wts_quant
-            if isinstance(wts_quant, WeightULQ) and not bool(wts_quant.initialized):
+            if isinstance(wts_quant, WeightULQ) and not wts_quant.is_initialized:
                 # Unmasked: calling the sparsity module here would count as its first batch, and
                 # 2:4 keeps each group's largest |w|, so max|w| per channel is the same anyway.
                 wts_quant.init_from(layer._folded_weight(masked=False).detach())
         if parts.observe_output:
-            layer.out_observer = RangeObserver()
+            layer.out_observer = RangeObserver().to(module.weight.device)
         layer.out_quant = parts.out_quant
         layer.input_on_grid = bool(parts.input_on_grid)
         bn_mode = None if bn is None else bn.training
@@ -171,16 +171,16 @@ class CompressedLayer(WeightOp):
         Eval only: in a training step it would cost every layer a second weight reduction and a
         host sync (``scale_offset``) for a change of at most half an int32 step."""
         aq = self.act_quant
-        if self.training or aq is None or not isinstance(aq, ActULQ) or not bool(aq.initialized) or \
+        if self.training or aq is None or not isinstance(aq, ActULQ) or not aq.is_initialized or \
                 (self.weight_axis == 1 and self.weight_groups > 1):  # grouped ConvTranspose: weight kept float
             return b
         with torch.no_grad():
-            sx = torch.tensor(aq.scale_offset()[0], dtype=torch.float32)
+            sx = ulq_qparams(aq.clip_max, aq.clip_min, host_flag(aq, "fixed_min"))[0]  # = scale_offset()[0]
             scale = sx * (self.wts_quant.scales(w.detach()) if scales is None else scales).float().reshape(-1)
             q = torch.round(b.detach().float() / scale)
-            if not bool(torch.all(q.abs() < 2**31 - 1)):
-                return b
-            rounded = (q * scale).to(b.dtype)
+            # Kept float when a value leaves int32 (no host read: a select, not a branch).
+            fits = torch.all(q.abs() < 2**31 - 1)
+            rounded = torch.where(fits, q * scale, b.detach().float()).to(b.dtype)
         return b + (rounded - b).detach()
 
     def _folded_weight(self, masked: bool = True, step: bool = True) -> Tensor:
@@ -266,8 +266,8 @@ class CompressedLayer(WeightOp):
         if tap is None:
             return y
         aq = self.act_quant
-        fixed = bool(aq.fixed_min)
-        qp = ulq_qparams_float(aq.clip_max.item(), aq.clip_min.item(), fixed)
+        fixed = host_flag(aq, "fixed_min")
+        qp = ulq_qparams(aq.clip_max, aq.clip_min, fixed)
         return input_clip_grad(y, aq.clip_max, aq.clip_min, tap[0], tap[1], w, qp, fixed,
                                self._op)
 

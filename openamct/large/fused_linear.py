@@ -241,10 +241,14 @@ class _MaskedQuantLinear(Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         if need_x:  # g @ E (E.T when stored transposed): E's rows are summed over, or g's columns
-            if codes is not None and bool(scales.isfinite().all()):
+            if codes is not None:
+                # A channel whose scale is not finite (a weight that is not finite, whose codes
+                # int8 cannot hold) is all NaN in E, as rebuilding E from w makes it: its scale
+                # becomes NaN (a select, no host read of the scales).
+                scales = scales.where(scales.isfinite(), float("nan"))
                 gx = _dequantized_product(g, codes, scales, channel_wise, int(transposed), w.dtype,
                                           reduce=not transposed, ws=rt.scratch)
-            else:  # no codes, or a weight that is not finite, whose codes int8 cannot hold
+            else:  # no codes
                 gx = _product(g, w, mask, channel_wise, int(transposed), reduce=not transposed, scales=scales,
                               ws=rt.scratch)[0]
         if need_w:  # straight through the mask and the quantizer (docs/dev/reference.md, Algorithms)
@@ -306,6 +310,8 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # torch < 2.4 has no device argument
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+    except RuntimeError:  # a device type autocast does not know (meta): never on there
+        return False
 
 
 def _eager_float(x: Tensor, w: Tensor) -> bool:

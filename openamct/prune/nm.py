@@ -216,6 +216,8 @@ class NMSparsifier(nn.Module):
         # function for one recompute, set by build on a CPU model (openamct.large); None: the
         # plain ``nm_keep_flags``.
         self.keep24 = None
+        self._installs = 0  # masks installed/loaded/put back: ``version`` reads ``_changes`` after one
+        self._version_read = (-1, 0)
 
     @classmethod
     def from_module(cls, module: nn.Module, update_freq: int) -> NMSparsifier:
@@ -230,7 +232,9 @@ class NMSparsifier(nn.Module):
 
     @property
     def version(self) -> int:
-        return int(self._changes.item())
+        if self._version_read[0] != self._installs:  # the counter may have moved: read it
+            self._version_read = (self._installs, int(self._changes.item()))
+        return self._version_read[1]
 
     @property
     def mask(self) -> Tensor:
@@ -322,6 +326,7 @@ class NMSparsifier(nn.Module):
 
     def _mark_installed(self, changed: Tensor | None) -> None:
         self._changes.add_(changed if self._ready and changed is not None else 1)
+        self._installs += 1
         self.mask_ready.fill_(True)
         self._ready = True
 
@@ -370,6 +375,7 @@ class NMSparsifier(nn.Module):
                 self._changes.add_(1)
         self._ready = bool(self.mask_ready.item())
         self._step = int(self.step.item())
+        self._installs += 1
 
 
 def _keep_of(w: Tensor, axis: int, groups: int, keep24=None):

@@ -19,6 +19,7 @@ that is simply axis 1; with groups > 1 the weight is regrouped as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -93,9 +94,17 @@ def ulq_qparams_float(clip_max: float, clip_min: float, fixed_min: bool
     return float(scale), int(zp), float(cmax), float(cmin)
 
 
-def fake_quant_per_tensor(x: Tensor, scale: float, zero_point: int,
-                          qmin: int = QMIN, qmax: int = QMAX) -> Tensor:
-    """Bit-identical to ``torch.fake_quantize_per_tensor_affine`` (no autograd: callers own that)."""
+def fake_quant_per_tensor(x: Tensor, scale, zero_point, qmin: int = QMIN, qmax: int = QMAX) -> Tensor:
+    """Bit-identical to ``torch.fake_quantize_per_tensor_affine`` (no autograd: callers own that).
+    ``scale``/``zero_point``: Python numbers, or 0-dim float32 tensors on ``x``'s device (no host
+    read: ``1/s`` is the same float32 division as the built-in's ``inv_scale``)."""
+    if isinstance(scale, Tensor):
+        if not _composite_ok(x):
+            return torch.fake_quantize_per_tensor_affine(x, scale, zero_point.to(torch.int32), qmin, qmax)
+        y = torch.mul(x, torch.reciprocal(scale))
+        y.round_()
+        y.clamp_(qmin - zero_point, qmax - zero_point)
+        return y.mul_(scale)
     if not _composite_ok(x):
         return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, qmin, qmax)
     y = torch.mul(x, _inv(scale))
@@ -104,62 +113,99 @@ def fake_quant_per_tensor(x: Tensor, scale: float, zero_point: int,
     return y.mul_(scale)
 
 
+def _autocast_on(x: Tensor) -> bool:
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except (TypeError, RuntimeError):  # torch < 2.4 has no device argument; meta has no autocast
+        return False
+
+
+def _no_autocast(x: Tensor):
+    """Autocast off for ``x``'s device while a quantizer computes in float32 (a context)."""
+    return torch.autocast(x.device.type, enabled=False) if _autocast_on(x) else contextlib.nullcontext()
+
+
+def _tensor_qparams(qparams, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ulq_qparams``' four 0-dim float32 tensors on ``like``'s device (floats accepted)."""
+    return tuple(q if isinstance(q, Tensor) else torch.tensor(float(q), dtype=torch.float32, device=like.device)
+                 for q in qparams)
+
+
 class ULQActFunction(Function):
     """ULQ fake-quant with learnable clips; forward = built-in formula, backward = upstream's
     (docs/dev/reference.md, Algorithms).
 
-    ``apply(x, clip_max, clip_min, fixed_min, qparams)`` with ``qparams = ulq_qparams_float(...)``
-    of the same clips. In range means y_min <= x <= y_max (the outermost representable levels, as
-    upstream). dx = g in range, 0 outside. With e = (round(r) - r)/255 and r = clip(x)/s:
+    ``apply(x, clip_max, clip_min, fixed_min, qparams)`` with ``qparams = ulq_qparams(...)`` of
+    the same clips (0-dim float32 tensors; ``ulq_qparams_float``'s numbers are accepted too).
+    Nothing is read back to the host, so a training step on an accelerator never waits here.
+    In range means y_min <= x <= y_max (the outermost representable levels, as upstream). dx = g
+    in range, 0 outside. With e = (round(r) - r)/255 and r = clip(x)/s:
     dcmax = sum((e + upper) g), dcmin = sum((lower - e) g). In range round(r) - r = (y - x)/s, so
     that part is one dot product; out of range r is the constant cmax/s or cmin/s.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min: bool,
-                qparams: tuple[float, int, float, float]) -> Tensor:
-        s, zp = qparams[0], qparams[1]
-        y = fake_quant_per_tensor(x, s, zp)
+    def forward(ctx, x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min: bool, qparams) -> Tensor:
+        qp = _tensor_qparams(qparams, x)
+        y = fake_quant_per_tensor(x, qp[0], qp[1])
         # Only x is kept: y is recomputed in backward, so code after the quantizer may modify its
         # output in place (HF ResNet's ``hidden_state += residual`` on a quantized conv output).
-        ctx.save_for_backward(x)
-        ctx.consts = (qparams, bool(fixed_min), clip_max.dtype)
+        ctx.save_for_backward(x, *qp)
+        ctx.consts = (bool(fixed_min), clip_max.dtype)
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        (x,) = ctx.saved_tensors
-        (s, zp, cmax, cmin), fixed_min, pdtype = ctx.consts
-        y_lo, y_hi = _f32((QMIN - zp) * s), _f32((QMAX - zp) * s)
-        below = float(np.nextafter(np.float32(y_lo), np.float32(-np.inf)))
-        above = float(np.nextafter(np.float32(y_hi), np.float32(np.inf)))
-        # hardtanh_backward(g, x, lo, hi) = g where lo < x < hi else 0: one fused vectorised pass.
-        htb = torch.ops.aten.hardtanh_backward
-        gx = htb(g, x, below, above)
-        grad_max = grad_min = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            g_up = htb(g, x, y_hi, math.inf).sum().item()
-            y = fake_quant_per_tensor(x, s, zp)
-            s_in = torch.dot((y - x).reshape(-1), gx.reshape(-1)).item() / (LEVELS * s)
-            e_up = (round(cmax / s) - cmax / s) / LEVELS
-            e_lo = (round(cmin / s) - cmin / s) / LEVELS
-            g_lo = htb(g, x, -math.inf, y_lo).sum().item() if (not fixed_min or e_lo) else 0.0
-            kw = {"dtype": pdtype, "device": x.device}
-            grad_max = torch.tensor(s_in + (1.0 + e_up) * g_up + e_lo * g_lo, **kw)
-            if not fixed_min:
-                grad_min = torch.tensor(-s_in - e_up * g_up + (1.0 - e_lo) * g_lo, **kw)
+        x, s, zp, cmax, cmin = ctx.saved_tensors
+        fixed_min, pdtype = ctx.consts
+        with _no_autocast(x):
+            g = g.to(x.dtype)
+            y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s  # float32, as the scalar code rounded them
+            # sat: +1 above y_hi, -1 below y_lo, 0 in range (read from the clamp, so every pass
+            # takes the bounds as tensors and none is a masked select).
+            x_c = torch.clamp(x, y_lo, y_hi)
+            sat = torch.sub(x, x_c).sign_()
+            mag = sat.abs()
+            gx = torch.addcmul(g, g, mag, value=-1.0)  # g in range, 0 outside
+            grad_max = grad_min = None
+            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+                # y - x in range (y = fake_quant(x_c), the same values there); 0 outside, where
+                # x_c sits on the outermost level, so g needs no mask in this dot.
+                y = torch.mul(x_c, torch.reciprocal(s)).round_().mul_(s)
+                s_in = torch.dot(y.sub_(x_c).reshape(-1), g.reshape(-1)) / (LEVELS * s)
+                g_diff = torch.dot(g.reshape(-1), sat.reshape(-1))  # g_up - g_lo
+                g_sum = torch.dot(g.reshape(-1), mag.reshape(-1))  # g_up + g_lo
+                g_up, g_lo = (g_sum + g_diff) / 2, (g_sum - g_diff) / 2
+                e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
+                grad_max = s_in + (1.0 + e_up) * g_up
+                if not fixed_min:  # fixed_min pins cmin at 0: e_lo = 0 and no clip_min gradient
+                    e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
+                    grad_max = grad_max + e_lo * g_lo
+                    grad_min = (-s_in - e_up * g_up + (1.0 - e_lo) * g_lo).to(pdtype)
+                grad_max = grad_max.to(pdtype)
         return (gx if ctx.needs_input_grad[0] else None), grad_max, grad_min, None, None
 
 
-def ulq_act_fake_quant(x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min: Tensor) -> Tensor:
+def ulq_act_fake_quant(x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min) -> Tensor:
     """Dispatch: built-in op with tensor qparams while exporting, the autograd Function when a
-    gradient is needed, the plain (composite or built-in) op otherwise."""
+    gradient is needed, the plain (composite or built-in) op otherwise. ``fixed_min``: a bool
+    (``ActULQ`` passes its host copy; a tensor is read). No host read of the clips: the qparams
+    are ``ulq_qparams``' tensors on the device.
+
+    Autocast-safe: a bf16/fp16 input is quantized as its float32 cast, with autocast off
+    (fp16 sums of a large activation overflow, and the grid needs float32 scales); the output
+    is float32 under autocast (the next op casts it as autocast decides), else ``x``'s dtype."""
     if graph_mode():
         scale, zp, _, _ = ulq_qparams(clip_max, clip_min, fixed_min)
         return torch.fake_quantize_per_tensor_affine(
             x, scale.to(x.device), zp.to(device=x.device, dtype=torch.int32), QMIN, QMAX)
     fixed = bool(fixed_min)
-    qp = ulq_qparams_float(clip_max.item(), clip_min.item(), fixed)
+    if x.is_floating_point() and x.dtype != torch.float32:
+        amp = _autocast_on(x)
+        with _no_autocast(x):
+            y = ulq_act_fake_quant(x.float(), clip_max, clip_min, fixed)
+        return y if amp else y.to(x.dtype)
+    qp = ulq_qparams(clip_max, clip_min, fixed)
     if torch.is_grad_enabled() and (x.requires_grad or clip_max.requires_grad
                                     or (clip_min.requires_grad and not fixed)):
         return ULQActFunction.apply(x, clip_max, clip_min, fixed, qp)
@@ -233,10 +279,10 @@ def fake_quant_per_channel(w: Tensor, scale: Tensor, axis: int = 0, groups: int 
         y2 = torch.fake_quantize_per_channel_affine(w2, scale.float(), zp, ch, QMIN, QMAX)
         return from_channel_major(y2, w.shape, axis, groups)
     if per_tensor:
-        sf = float(scale.item())
+        sf = scale.reshape(()).float()
         if clamp:
-            return fake_quant_per_tensor(w, sf, 0)
-        return torch.mul(w, _inv(sf)).round_().mul_(sf)
+            return fake_quant_per_tensor(w, sf, torch.zeros((), device=w.device))
+        return torch.mul(w, torch.reciprocal(sf)).round_().mul_(sf)
     w2, ch = to_channel_major(w, axis, groups)
     s = scale.reshape(_bshape(w2.dim(), ch))
     y = torch.mul(w2, s.reciprocal())

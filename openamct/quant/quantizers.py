@@ -29,7 +29,7 @@ from openamct.quant.functions import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActULQ", "WeightARQ", "WeightULQ", "RangeObserver"]
+__all__ = ["ActULQ", "WeightARQ", "WeightULQ", "RangeObserver", "host_flag", "set_host_flag"]
 
 
 def _check_clip(name: str, value, sign: int) -> float:
@@ -39,6 +39,30 @@ def _check_clip(name: str, value, sign: int) -> float:
     if not math.isfinite(v) or (sign > 0 and v <= 0) or (sign < 0 and v >= 0):
         raise ValueError(f"{name}: must be {'> 0' if sign > 0 else '< 0'}, got {value}")
     return v
+
+
+def host_flag(module: nn.Module, name: str) -> bool:
+    """The value of the 0-dim bool buffer ``name`` of ``module``, read from its device only when
+    it may have changed: a forward must not wait for the device once per quantizer. The copy is
+    re-read when the buffer was written in place (its ``_version`` moved: a fill, a
+    ``load_state_dict``, a rollback) or replaced on the same device; a buffer that ``.to()``
+    moved to another device keeps the value it had (a move does not change it)."""
+    t = module._buffers[name]
+    seen = module.__dict__.get("_host_" + name)
+    if seen is not None:
+        if seen[0] is t and seen[1] == t._version:
+            return seen[2]
+        if seen[0] is not t and (t.is_meta or t.device != seen[0].device):
+            module.__dict__["_host_" + name] = (t, t._version, seen[2])
+            return seen[2]
+    return set_host_flag(module, name, bool(t))
+
+
+def set_host_flag(module: nn.Module, name: str, value: bool) -> bool:
+    """Record that buffer ``name`` now holds ``value`` (its writer knows it: no read)."""
+    t = module._buffers[name]
+    module.__dict__["_host_" + name] = (t, t._version, value)
+    return value
 
 
 def _dist_world() -> int:
@@ -72,6 +96,8 @@ class ActULQ(nn.Module):
         self.clip_min = nn.Parameter(torch.tensor(cmin))
         self.register_buffer("initialized", torch.tensor(given))
         self.register_buffer("fixed_min", torch.tensor(fixed_min))
+        set_host_flag(self, "initialized", given)
+        set_host_flag(self, "fixed_min", fixed_min)
         self.register_buffer("init_batches", torch.tensor(0, dtype=torch.long))
         # Extremes over the init batches so far and the sum of the clips each batch chose.
         self.register_buffer("init_range", torch.zeros(2))
@@ -80,12 +106,18 @@ class ActULQ(nn.Module):
         self._last: tuple | None = None  # (weakref to the input, key, weakref to the output) of the last call
         self.layer_name = ""  # for messages: the (first) layer it quantizes the input of
 
+    @property
+    def is_initialized(self) -> bool:
+        """``initialized`` without a device read in the steady state (``host_flag``)."""
+        return host_flag(self, "initialized")
+
     def forward(self, x: Tensor) -> Tensor:
         exporting = graph_mode()
-        if not exporting and not bool(self.initialized):
+        if not exporting and not self.is_initialized:
             self._init_step(x)
+        fixed = self.fixed_min if exporting else host_flag(self, "fixed_min")
         if exporting or x.is_inference():  # an inference tensor has no version to prove it unchanged
-            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed)
         # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
         # first call's output serves the others, so the fake quant and its backward run once
         # per tensor, not once per reader (each costs a dozen ops on the activation).
@@ -97,7 +129,7 @@ class ActULQ(nn.Module):
             y = last[2]()
             if y is not None:
                 return y
-        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, self.fixed_min)
+        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed)
         self._last = (weakref.ref(x), key, weakref.ref(y))
         return y
 
@@ -115,7 +147,7 @@ class ActULQ(nn.Module):
                              "activation clips cannot be initialised from it: check the data (and the layers "
                              "before this one)")
         self._init_last_input = x
-        fixed = bool(self.fixed_min)
+        fixed = host_flag(self, "fixed_min")
         n = int(self.init_batches)
         running = (float(self.init_range[0]), float(self.init_range[1])) if n else None
         (cmax, cmin), (hi, lo) = init_clips(x, fixed, running)
@@ -130,7 +162,7 @@ class ActULQ(nn.Module):
             rng = torch.tensor([hi, -lo], dtype=torch.float64, device=dev)
             dist.all_reduce(rng, op=dist.ReduceOp.MAX)
             hi, lo = rng[0].item(), -rng[1].item()
-        self.init_range.copy_(torch.tensor([hi, lo]))
+        self.init_range.copy_(torch.tensor([hi, lo], device=self.init_range.device))
         self.init_clip_sum += torch.tensor([cmax, cmin], dtype=torch.float64,
                                            device=self.init_clip_sum.device)
         n += 1
@@ -140,6 +172,7 @@ class ActULQ(nn.Module):
         self.clip_min.fill_(0.0 if fixed else mean[1])
         if n >= self.batch_num:
             self.initialized.fill_(True)
+            set_host_flag(self, "initialized", True)
             self._init_last_input = None
             logger.debug("ActULQ initialised after %d batch(es): clip_max=%.6g clip_min=%.6g",
                          n, mean[0], mean[1])
@@ -214,6 +247,7 @@ class WeightULQ(_WeightQuant):
         super().__init__(channel_wise, axis, groups)
         self.scale = nn.Parameter(torch.ones(1))
         self.register_buffer("initialized", torch.tensor(False))
+        set_host_flag(self, "initialized", False)
 
     @torch.no_grad()
     def init_from(self, w: Tensor) -> None:
@@ -223,9 +257,15 @@ class WeightULQ(_WeightQuant):
         else:
             self.scale.copy_(s)
         self.initialized.fill_(True)
+        set_host_flag(self, "initialized", True)
+
+    @property
+    def is_initialized(self) -> bool:
+        """``initialized`` without a device read in the steady state (``host_flag``)."""
+        return host_flag(self, "initialized")
 
     def forward(self, w: Tensor) -> Tensor:
-        if not graph_mode() and not bool(self.initialized):
+        if not graph_mode() and not self.is_initialized:
             self.init_from(w)
         return ulq_weight_fake_quant(w, self.scale, self.axis, self.groups, self.channel_wise)
 

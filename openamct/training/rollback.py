@@ -57,7 +57,7 @@ def _tensors(m: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _take(m: nn.Module, training: bool, mask: bool):
     if isinstance(m, (ActULQ, WeightULQ)):
-        if bool(m.initialized):
+        if m.is_initialized:  # host copy: no device read per quantizer per step
             return None
         return _tensors(m), getattr(m, "_init_last_input", None)
     if isinstance(m, NMSparsifier):
@@ -83,6 +83,7 @@ def _put(m: nn.Module, state) -> None:
         m.step.copy_(step)
         m.mask_ready.copy_(ready)
         m._changes.copy_(changes)
+        m._installs += 1  # ``version`` reads the counter put back
         if mask is _ALL_KEPT:
             m.reset_all_kept()
         elif mask is not None:
