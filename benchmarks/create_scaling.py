@@ -2,7 +2,7 @@
 
 Ours is measured side by side with the alternatives a tool could build on (torch.fx,
 torch.export) in one run; upstream AMCT cannot be installed here, so its figures measured on
-this machine are printed as reference constants (issue #2 and #5).
+this machine are printed as reference constants.
 Run: .venv/bin/python benchmarks/create_scaling.py
 """
 

@@ -1,4 +1,4 @@
-"""What a benchmark step costs in memory and CPU on this machine (issue 19): peak RSS sampled
+"""What a benchmark step costs in memory and CPU on this machine: peak RSS sampled
 during a step, the pages it touched for the first time, its user and system CPU, and what a GB
 of fresh memory costs to touch right now. Used by ``scale.py``; run on its own, it prints what
 fresh pages cost as a process grows:
@@ -53,19 +53,19 @@ class Peak:
 
 def cpu_seconds() -> tuple[float, float]:
     """User and system CPU seconds of this process (all threads). A page fault is system time,
-    the host's share of it included: on these VMs a step's system time is mostly its faults."""
+    the host's share of it included: on VMs whose host backs memory lazily a step's system time is mostly its faults."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime, r.ru_stime
 
 
 def minor_faults() -> int:
-    """Pages this process touched for the first time (or again after giving them back): on this
+    """Pages this process touched for the first time (or again after giving them back): on such a
     VM each costs what a fresh page costs, which swings several-fold with the host."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def first_touch_seconds_per_gb(gb: float = 1.0) -> tuple[float, float]:
-    """Seconds per GB to write fresh pages, then the same pages again. On this VM the host backs
+    """Seconds per GB to write fresh pages, then the same pages again. On such a VM the host backs
     guest memory lazily and takes idle pages back within a minute: a step that touches new
     memory (create's copy, the first step's gradients) swings with that, not with our code."""
     import torch
@@ -83,9 +83,9 @@ def first_touch_seconds_per_gb(gb: float = 1.0) -> tuple[float, float]:
 def fresh_page_curve(total_gb: float = 4.0, step_gb: float = 0.5) -> list[tuple[float, float, float]]:
     """Seconds per GB to touch fresh pages as the process grows: for each ``step_gb`` block,
     (GB this process had touched before it, s/GB with one thread writing, s/GB with two). Every
-    block is kept, as a training process keeps its model and gradients. On these VMs the first GB
+    block is kept, as a training process keeps its model and gradients. On such VMs the first GB
     or so comes from pages the host still backs and is cheap; past it every page waits for the
-    host, which is what a first training step's gradients meet at 250M and up (issue 19)."""
+    host, which is what a first training step's gradients meet at 250M and up."""
     import torch
 
     n = int(step_gb * (1 << 30))

@@ -9,7 +9,7 @@ sentences), measured interleaved, medians, printed ratios and cosine to FP32.
 Without ``--deploy`` it compresses the model itself (INT8 only and 2:4 + INT8, the configs in
 ``examples/``), initialises the clips on one batch of real sentences and saves: speed does not
 depend on training. Every model is exported the same way (TorchScript exporter, opset 17,
-dynamic batch and sequence axes). The acceptance target (issue #8) is deploy >= 1.7x FP32.
+dynamic batch and sequence axes). The target is deploy >= 1.7x FP32.
 Needs the ``examples`` extra.
 """
 

@@ -1,6 +1,6 @@
 """OpenVINO's CPU plugin behind the two calls ``openamct.export.ort_session.latency_ms`` makes of
 an ONNX Runtime session (``get_inputs()[i].name``, ``run(None, feeds)``), so a benchmark times
-ORT and OpenVINO in the same interleaved rounds (issue 14: users on Intel CPUs pick OpenVINO).
+ORT and OpenVINO in the same interleaved rounds (users on Intel CPUs pick OpenVINO).
 
 Compiled as the tests compile it (tests/runtimes.py: f32 inference precision).
 """

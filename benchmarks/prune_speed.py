@@ -3,7 +3,7 @@ pruned + INT8 deploy, on a BERT-base-size encoder (12 layers, 768 wide, 12 heads
 128 tokens) and a ViT-B/16-size model (224x224, 197 tokens), random weights, batch 1.
 
 ``prune_ratio: 0.3`` (ascend_optimized) prunes whole attention heads and the FFN intermediate
-dimension (issue 15 acceptance on BERT-base: pruned >= 1.3x, pruned + INT8 >= 3x). Every model
+dimension (targets on BERT-base: pruned >= 1.3x, pruned + INT8 >= 3x). Every model
 is timed interleaved with the others (median of --runs, 2 intra-op threads), so a burst of load
 hits all alike. Speed does not depend on training, so the clips are initialised on one batch.
 

@@ -1,10 +1,10 @@
-"""The whole 2:4 + INT8 lifecycle on random-weight Llama models of growing size (issue 19).
+"""The whole 2:4 + INT8 lifecycle on random-weight Llama models of growing size.
 
 create -> 5 training steps (the first computes the masks and initialises the clips; the steady
 step is the median of the other four) -> eval forward (then two more, timed) -> record write -> save
 in one process; then ORT load of both files, and restore from a checkpoint of the trained model,
 each in a fresh process (as a resumed job would). Each step is timed, its peak RSS sampled (a thread reads
-/proc/self/statm every 2 ms) and the memory it faulted in counted (minor faults: on this VM a
+/proc/self/statm every 2 ms) and the memory it faulted in counted (minor faults: on a 2-core cloud VM whose host backs guest memory lazily a
 fresh page costs 0.2-0.6 s/GB or, past the host's warm pages, 1.4-3.8 s/GB, so that column explains
 most of a step's swings). Peaks are printed as "above what the process held when the step
 began", divided by the model's weight bytes, so sizes compare directly, and as the process's
@@ -14,20 +14,20 @@ create -> eval forward -> save chain: memory a finished step freed would otherwi
 the next one and hide its peak. The steady step's ratio to FP32's is taken from four more steps
 of each, timed without the sampler (``_quiet_steps``); the first / steady ratio compares steps
 that were both sampled. FP32 also trains a deep copy in a process that keeps the model it copied,
-as ours does: on these VMs the first pages past a process's first GB or two cost several times
+as ours does: on such VMs the first pages past a process's first GB or two cost several times
 more, so that process, not FP32 alone, shows what the first step's memory costs any toolkit that
 leaves the caller's model as it is; that process also times its plain ``copy.deepcopy``, the
-reference for create's time (create copies first, and on these VMs the copy's new pages are most
+reference for create's time (create copies first, and on such VMs the copy's new pages are most
 of it at 1.1B). Another process runs ours with 1.5 W written and freed
 just before its first step, so that the first step's new pages are ones the host still backs: a
-diagnostic that separates this VM's first touch from openamct's one-time work. A last process
-alternates steady steps of ours and of FP32 (PLATFORM-NOTES measures fake-quant training cost
+diagnostic that separates the VM's first touch from openamct's one-time work. A last process
+alternates steady steps of ours and of FP32 (docs/dev/platform.md: fake-quant training cost is measured
 interleaved), pair by pair for about two minutes (6 to 40 pairs), so both ratios of the steady
 step are printed: against FP32 in its own process, and interleaved, with the spread of the
 pairs' ratios. The first step is also given in user CPU against a steady step's: on two busy
-cores its page faults' wait is system CPU, so that ratio is the first step without this VM's
+cores its page faults' wait is system CPU, so that ratio is the first step without the VM's
 page cost (``memory_probe.py`` run on its own prints that cost as a process grows). The last line
-prints each acceptance figure of issue 19 beside its bound.
+prints each large-model target (docs/large-models.md) beside its figure.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --sizes 1.1b --allow-1b   # needs ~20 GB
@@ -217,8 +217,8 @@ def run_steps(size: str, seq: int, folder: str) -> dict:
 def run_copy_steps(size: str, seq: int, folder: str) -> dict:
     """Plain FP32 training of a deep copy while the caller's model stays held: what a toolkit
     that never edits the caller's model holds before its first step, without compressing
-    anything. On these VMs the pages a process touches past its first GB or two cost several
-    times more (docs/dev/large-models-log.md, fourteenth session), so this, and not FP32 alone, is the
+    anything. On VMs whose host backs memory lazily the pages a process touches past its first
+    GB or two cost several times more, so this, and not FP32 alone, is the
     reference that shows how much of our first step is memory any such toolkit pays for."""
     import copy
 
@@ -236,7 +236,7 @@ def run_copy_steps(size: str, seq: int, folder: str) -> dict:
 def run_warm_first(size: str, seq: int, folder: str) -> dict:
     """Ours again, with 1.5 W written and freed just before the first step: the guest kernel
     hands those pages back while the host still backs them, so this first step pays what a
-    machine without this VM's lazy host memory would for its new pages. A diagnostic beside
+    machine without lazy host memory would for its new pages. A diagnostic beside
     the real first step (the lifecycle's), not a replacement: it splits the first step's excess
     into the VM's first touch and openamct's one-time work (masks, clip search, record)."""
     import torch
@@ -281,9 +281,9 @@ INTERLEAVED = (6, 40, 120.0)  # pairs of steady steps, ours and FP32: at least, 
 
 
 def run_interleaved(size: str, seq: int, folder: str) -> dict:
-    """Steady steps of ours and of plain FP32, alternating in one process (PLATFORM-NOTES
-    measures fake-quant training cost this way): both see the same moment of the machine, whose
-    speed drifts by tens of percent between processes minutes apart on this VM. The caller's
+    """Steady steps of ours and of plain FP32, alternating in one process (docs/dev/platform.md:
+    fake-quant training cost is measured this way): both see the same moment of the machine, whose
+    speed drifts by tens of percent between processes minutes apart on a shared VM. The caller's
     model trains in FP32, its compressed copy as ours; each first step is left out."""
     import torch
 
@@ -297,7 +297,7 @@ def run_interleaved(size: str, seq: int, folder: str) -> dict:
         runs[name] = (m, torch.optim.SGD([q for q in m.parameters() if q.requires_grad], lr=1e-4))
         _step(m, ids, runs[name][1])
     work._openamct.wait()  # the first step's record write
-    # Pairs until the minimum and the time are both reached: this VM switches between fast and
+    # Pairs until the minimum and the time are both reached: a shared VM switches between fast and
     # slow spells lasting 5-20 steps (60M: ours 0.25 s in one, 0.45 s in the next, nothing else
     # running), so six pairs can land in one spell. The pair's order alternates, so that neither
     # always runs on the memory and caches the other left.

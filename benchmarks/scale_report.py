@@ -68,10 +68,10 @@ def report(size: str, life: dict, plain: dict) -> None:
     warm_steady = _steady(plain, "warm_step")
     print(f"ours with 1.5 W written and freed just before the first step (pages the host still backs): first "
           f"{warm_first:.2f} s (system {plain['warm_step1_cpu'][1]:.2f} s), steady {warm_steady:.2f} s, first / steady "
-          f"{warm_first / warm_steady:.2f}; the lifecycle's first step took {first - warm_first:.2f} s more (this VM's "
+          f"{warm_first / warm_steady:.2f}; the lifecycle's first step took {first - warm_first:.2f} s more (the VM's "
           f"first touch of new pages, and noise)")
     # On 2 busy cores a page fault's wait is system CPU taken from the step's compute: the ratio in
-    # user CPU is the first step without this VM's page cost, the rest is what its pages cost here.
+    # user CPU is the first step without the VM's page cost, the rest is what its pages cost here.
     user_steady = statistics.median(life[f"train{i}_cpu"][0] for i in range(2, _count(life, "train") + 1))
     user_ratio = life["train1_cpu"][0] / user_steady
     sys_first, faulted = life["train1_cpu"][1], life["train1"][3]

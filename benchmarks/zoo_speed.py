@@ -1,4 +1,4 @@
-"""Deploy speed on real architectures (issue 14): FP32 vs ``onnxruntime.quantization.
+"""Deploy speed on real architectures: FP32 vs ``onnxruntime.quantization.
 quantize_static`` vs openamct's deploy model, for Hugging Face CNNs built from their default
 configs (random weights re-initialised fan-in, as the zoo tests do: tests/zoo/families.py).
 
@@ -12,7 +12,7 @@ fake-quant file on one input, and the float ops left in ORT's optimised deploy g
 Measured here (AMD EPYC, 2 cores, ORT 1.32, OpenVINO 2026.4; a quiet machine, yet the same two
 files swing 0.97-1.10x between measurements, hence 5 repeats), 224x224 batch 1,
 openamct/quantize_static latency, median of the 5 paired ratios:
-  before issue 14: EfficientNet-B0 1.209, RegNet 1.019, MobileNetV2 1.849, ResNet-50 0.951
+  before activations between layers were quantized: EfficientNet-B0 1.209, RegNet 1.019, MobileNetV2 1.849, ResNet-50 0.951
   now:             ResNet-50 0.994, MobileNetV2 0.992, EfficientNet-B0 0.848, RegNet 0.993,
                    ConvNeXt-T 0.801, MobileViT-S 0.833 (FP32 speed-ups 3.01x, 1.76x, 1.26x, 2.46x,
                    2.13x, 1.22x; quantize_static's 3.02x, 1.71x, 1.10x, 2.44x, 1.72x, 1.01x)
@@ -142,7 +142,7 @@ def row(name: str, small: bool, runs: int, folder: str, openvino: bool, repeat: 
     paths = {"fp32": fp32, "quantize_static": quantize_static(fp32, os.path.join(folder, f"{name}_qs.onnx"), calib)}
     paths["openamct"], fake = openamct_files(model, calib, folder, name)
     x = torch.randn(shape, generator=g).numpy()
-    # Repeats with fresh sessions: on this VM the same two files swing 0.98-1.10x from one
+    # Repeats with fresh sessions: on a shared 2-core VM the same two files swing 0.98-1.10x from one
     # interleaved measurement to the next; the median over repeats is what is printed
     reps = []
     for _ in range(repeat):

@@ -48,7 +48,7 @@ from examples import minilm_helpers as minilm  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"int8": os.path.join(HERE, "minilm_int8.cfg"),
            "24_int8": os.path.join(HERE, "minilm_24_int8.cfg")}
-TARGETS = {"int8": 0.98, "24_int8": 0.95}  # issue #8: held-out mean cosine to FP32
+TARGETS = {"int8": 0.98, "24_int8": 0.95}  # held-out mean cosine to FP32
 NAMES = ["input_ids", "attention_mask"]
 AXES = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
         "embedding": {0: "batch"}}

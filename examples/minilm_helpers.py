@@ -39,7 +39,7 @@ __all__ = ["PAIR", "PAIR_COSINE", "SentenceEncoder", "require_examples", "model_
            "tokenize", "stdlib_sentences", "split_held_out", "embed", "embed_onnx", "compare",
            "pair_cosine", "distill"]
 
-# sentence-transformers' own example pair; 0.7553 with the FP32 model (PLATFORM-NOTES).
+# sentence-transformers' own example pair; 0.7553 with the FP32 model.
 PAIR = ("A man is eating food.", "A man is eating a piece of bread.")
 PAIR_COSINE = 0.7553
 
