@@ -1,4 +1,4 @@
-"""OpenVINO's CPU plugin as the tests and benchmarks compile it (issue 14)."""
+"""OpenVINO's CPU plugin as the tests and benchmarks compile it."""
 
 
 def openvino_compile(path: str, threads: int, **config):

@@ -1,6 +1,7 @@
 """A small EfficientNet-like classifier for 1x28x28 digits: SiLU after every conv, a TF-style
 zero pad before the strided depthwise conv, squeeze-excitation (pool, reduce, SiLU, expand,
-Sigmoid, multiply) and a residual add: the ops issue 14 quantizes between layers."""
+Sigmoid, multiply) and a residual add: the ops activation quantization quantizes between
+layers."""
 
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
-"""Issue 14 acceptance: an EfficientNet-like net (SiLU, squeeze-excitation, TF-style zero pad,
-residual add: tests/se_model.py) trained on MNIST-5k, then INT8 QAT. With the activation_quant
-technique the deploy model runs Sigmoid / Mul / pools in int8 and computes what the fake-quant
-model computes; OpenVINO runs the same deploy file.
+"""Activation quantization acceptance: an EfficientNet-like net (SiLU, squeeze-excitation,
+TF-style zero pad, residual add: tests/se_model.py) trained on MNIST-5k, then INT8 QAT. With
+the activation_quant technique the deploy model runs Sigmoid / Mul / pools in int8 and computes
+what the fake-quant model computes; OpenVINO runs the same deploy file.
 
-Measured here (2 shared cores, torch 2.13, ORT 1.32, OpenVINO 2026.4), seeds 0-2: QAT 90.7-91.4 %;
+Measured on 2 shared cores (torch 2.13, ORT 1.32, OpenVINO 2026.4), seeds 0-2: QAT 90.7-91.4 %;
 fake-quant vs torch cosine >= 0.9999987; deploy vs fake-quant cosine >= 0.9999986, max |diff|
 0.65 % of the logit range, 1, 0 and 0 of 1000 argmaxes differ, accuracies 1, 0 and 0 images
 apart; OpenVINO vs fake-quant cosine 0.99980-0.99987, 2-5 argmaxes, 0-2 images apart.
 
 Before the biases were put on the deploy model's int32 grid in the training model too, that
 rounding was the deploy model's one departure (cosine 0.99988-0.99991, 2-6 argmaxes, up to 2
-images: above the issue's 0.1 point); before the conv feeding a residual Add got an output
-quantizer, 4 images. Asserted: the issue's cosine 0.999, argmax equal on every decisive image
+images: above the 0.1-point bound); before the conv feeding a residual Add got an output
+quantizer, 4 images. Asserted: cosine >= 0.999, argmax equal on every decisive image
 (assert_logits_agree), and accuracy within 0.1 point (ORT) and 0.3 point (OpenVINO, whose own
 int8 kernels round differently).
 """
@@ -57,11 +57,11 @@ def test_se_net_deploy_matches_fake_quant(tmp_path):
     skip_unless_exact_int8_kernels()
     deploy = ort_run(prefix + "_deploy_model.onnx", x_te)
     acc = {k: float(np.mean(v.argmax(1) == labels)) for k, v in (("torch", ref), ("fake", fake), ("deploy", deploy))}
-    # deploy vs fake-quant: cosine bound of the issue; max diff a few times the measured 3.6 %;
+    # deploy vs fake-quant: the acceptance cosine bound; max diff a few times the measured 3.6 %;
     # 72-84 % of the images decisive (margin over twice the max diff), so the argmax check is not empty
     assert_logits_agree(fake, deploy, max_rel_diff=0.1, min_decisive=0.5, min_cosine=0.999,
                         what="deploy vs fake-quant")
-    # the issue's 0.1 point (one image); measured 1, 0 and 0 images on three seeds
+    # the acceptance bound of 0.1 point (one image); measured 1, 0 and 0 images on three seeds
     assert abs(acc["deploy"] - acc["fake"]) <= 0.001 + 1e-9, acc
     # the same deploy file in OpenVINO, held to the same bounds
     ov = openvino_run(prefix + "_deploy_model.onnx", x_te)

@@ -1,4 +1,4 @@
-"""Issue #5 acceptance: channel pruning across coupled layers and the full prune -> 2:4 -> INT8 flow."""
+"""Acceptance: channel pruning across coupled layers and the full prune -> 2:4 -> INT8 flow."""
 
 import logging
 import os

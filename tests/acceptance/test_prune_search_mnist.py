@@ -1,6 +1,7 @@
-"""Issue 18 acceptance on the demo's trained MnistNet: compress_ratio 2 cuts MACs 1.9-2.2x and,
-after the demo's retraining schedule, the pruned model is within 0.5 point of FP32. And the
-latency budget runs end to end (its speed-up figures are measured in benchmarks/prune_search.py)."""
+"""Prune search acceptance on the demo's trained MnistNet: compress_ratio 2 cuts MACs 1.9-2.2x
+and, after the demo's retraining schedule, the pruned model is within 0.5 point of FP32. And
+the latency budget runs end to end (its speed-up figures are measured in
+benchmarks/prune_search.py)."""
 
 import os
 

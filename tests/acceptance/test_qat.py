@@ -1,4 +1,4 @@
-"""Issue #3 acceptance: INT8 QAT create -> train -> restore -> save, fake-quant and deploy ONNX."""
+"""Acceptance of INT8 QAT: create -> train -> restore -> save, fake-quant and deploy ONNX."""
 
 import os
 

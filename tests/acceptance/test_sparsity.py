@@ -1,4 +1,4 @@
-"""Issue #4 acceptance: 2:4 in every saved ONNX, combined with INT8, accuracy, upstream configs."""
+"""2:4 acceptance: 2:4 in every saved ONNX, combined with INT8, accuracy, upstream configs."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""DistributedDataParallel (issue #7), with the real ``torchrun --nproc_per_node=2`` on CPU/gloo.
+"""DistributedDataParallel, with the real ``torchrun --nproc_per_node=2`` on CPU/gloo.
 
 - QAT, 2:4 and combined models created before wrapping train under DDP; all ranks end with
   identical weights and quantizer state although each rank's own clip initialisation would

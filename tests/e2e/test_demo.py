@@ -1,4 +1,4 @@
-"""``openamct demo`` (issue #6): the run, its outputs, an exact resume, and one-line user errors.
+"""``openamct demo``: the run, its outputs, an exact resume, and one-line user errors.
 
 The fast tests run the real demo with 1 epoch; the slow one runs it at full size and checks the
 accuracy and size acceptance (speed is reported by the demo, not asserted by a test).

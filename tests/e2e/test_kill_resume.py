@@ -1,4 +1,4 @@
-"""Crash-safe resume (issue #7): a real training process is SIGKILLed at random points while
+"""Crash-safe resume: a real training process is SIGKILLed at random points while
 openamct rewrites the record (2:4 masks with update_freq > 0, quant scales at each eval) and the
 script writes checkpoints; after every kill:
 

@@ -1,4 +1,4 @@
-"""A real pretrained transformer (issue #8): all-MiniLM-L6-v2, 2:4 + INT8 on every encoder Linear,
+"""A real pretrained transformer: all-MiniLM-L6-v2, 2:4 + INT8 on every encoder Linear,
 brief distillation from the FP32 model, save, and the deploy ONNX in ONNX Runtime.
 
 One module-scoped run (about 25 s on 2 cores, with model loading) feeds the checks:

@@ -1,4 +1,4 @@
-"""Issue 14: the activation_quant technique quantizes SiLU / Sigmoid (and the squeeze-excitation
+"""The activation_quant technique quantizes SiLU / Sigmoid (and the squeeze-excitation
 multiply after them) in the training model, so the deploy model keeps those tensors in int8
 and the fake-quant model computes the same grid values."""
 

@@ -1,4 +1,4 @@
-"""Per-channel parameter owners follow a filter-prune decision (issue 15): norms over the
+"""Per-channel parameter owners follow a filter-prune decision: norms over the
 channels (LayerNorm, RMSNorm, GroupNorm, ConvNeXt's channels-first LayerNorm), ConvNeXtV2's
 GRN and LayerScale vectors are sliced with the channels; what cannot follow says why once."""
 

@@ -1,5 +1,5 @@
 """A restore copies a memory-mapped checkpoint into the model a part at a time and gives each
-part's file pages back once copied (issue 19): the same model as one load, less memory."""
+part's file pages back once copied: the same model as one load, less memory."""
 
 from __future__ import annotations
 

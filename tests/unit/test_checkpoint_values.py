@@ -1,4 +1,4 @@
-"""Issue 16, point 6: a checkpoint's values and dtypes are checked where they enter; each bad
+"""A checkpoint's values and dtypes are checked where they enter; each bad
 one is a ValueError naming the checkpoint key."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _legacy_mask(sd, key):
 CASES = [
     ("conv.weight", lambda t: t.mul(100).long(), r"'conv.weight' has dtype torch.int64 but the model's is torch.float32"),
     ("fc.weight", lambda t: t.index_fill_(1, torch.tensor([0]), float("nan")), r"'fc.weight' holds 4 NaN/inf value"),
-    # masks are packed bits since issue 19: a 0.5 can only come in a float (older) checkpoint's mask
+    # masks are packed bits now: a 0.5 can only come in a float (older) checkpoint's mask
     ("conv.sparsity.mask", lambda t: t.float().fill_(0.5), r"'conv.sparsity.mask' is a mask but holds 0.5"),
     ("conv.sparsity.mask", lambda t: t.float()[:3], r"shape mismatch conv.sparsity.mask: checkpoint \(3, 8, 3, 3\) vs model \(16, 8, 3, 3\)"),
     ("conv.sparsity.mask_bits", lambda t: t.fill_(255), r"'conv.sparsity.mask_bits' is not a 2:4 mask: \d+ group\(s\) "

@@ -1,4 +1,4 @@
-"""Issue 16, point 4: one outlier in the first batch must not become a quantizer's clip."""
+"""One outlier in the first batch must not become a quantizer's clip."""
 
 from __future__ import annotations
 

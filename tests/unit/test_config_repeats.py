@@ -1,4 +1,4 @@
-"""Issue 16, point 5: a singular field or a oneof given twice is an error naming the field and
+"""A singular field or a oneof given twice is an error naming the field and
 the line; upstream's sample configs (one layer_name written twice) still parse."""
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_transformer_block_prunes_mlp_hidden_only():
     assert [gr.producer_names for gr in groups] == [["fc1"]]
     assert spans(groups[0].consumers) == {("fc2", 0, 64, 1)}
     at = {b.producers[0]: (b.at, b.reason) for b in blocked}
-    for name in ("q_proj", "k_proj", "v_proj"):  # heads: the view writes self.heads out (issue 15)
+    for name in ("q_proj", "k_proj", "v_proj"):  # heads: the view writes self.heads out
         assert at[name][0].startswith("reshape_") and at[name][1] == (
             "reshape in the top-level module splits the channels into 4 heads of 8 with the head count written "
             "out, and the top-level module has no attribute num_heads/num_attention_heads/n_heads/n_head = 4 to "
@@ -195,7 +195,7 @@ def test_graph_output_blocks_and_is_logged(caplog):
         groups, blocked = run(ConvOutNet(), torch.randn(1, 3, 6, 6))
     assert groups == [] and len(blocked) == 1
     assert (blocked[0].producers, blocked[0].at) == (["conv"], "output")
-    # one WARNING per reason, naming the group and the node that stops it (issue 13)
+    # one WARNING per reason, naming the group and the node that stops it
     assert "group(s) not pruned: 1: the channels reach the graph output [conv (stopped at output)]" in caplog.text
 
 

@@ -156,7 +156,7 @@ def test_names_dynamic_axes_and_overwrite(tmp_path):
     c, rec = _compressed(MODELS["ResBlockNet"](), x, tmp_path)
     prefix = str(tmp_path / "net")
     for f in ("net_fake_quant_model.onnx", "net_deploy_model.onnx"):
-        # a stale earlier ONNX file is overwritten (a file of another kind is refused: issue 16)
+        # a stale earlier ONNX file is overwritten (a file of another kind is refused)
         (tmp_path / f).write_bytes(onnx.helper.make_model(onnx.helper.make_graph([], "stale", [], [])).SerializeToString())
     axes = {"images": {0: "batch"}, "logits": {0: "batch"}}
     amct.save_compressed_retrain_model(c, rec, prefix, x, input_names=["images"], output_names=["logits"],

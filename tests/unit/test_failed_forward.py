@@ -1,4 +1,4 @@
-"""Issue 16, point 10: a forward that raises leaves no trace: the quantizers are not initialised
+"""A forward that raises leaves no trace: the quantizers are not initialised
 from that batch and the 2:4 step counters do not advance."""
 
 from __future__ import annotations

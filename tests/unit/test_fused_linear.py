@@ -213,7 +213,7 @@ def _conv1d_layer(sparse: bool, channel_wise) -> CompressedLayer:
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
 @pytest.mark.parametrize("sparse,channel_wise", [(True, True), (True, False), (False, True), (True, None)])
 def test_eval_without_grad_computes_as_a_training_step(kind, sparse, channel_wise):
-    """Eval under no_grad (issue 19: no weight-sized allocation per layer) gives what the
+    """Eval under no_grad (no weight-sized allocation per layer, for large models) gives what the
     composed eval gives: outputs (within the sliced product's few ulps), the bias on the int32
     grid, and bit for bit the scales the record reads."""
     from openamct.quant.quantizers import ActULQ

@@ -1,4 +1,4 @@
-"""Filter pruning through a fused projection (issue 15): GPT-2's ``c_attn(x).split(split_size,
+"""Filter pruning through a fused projection: GPT-2's ``c_attn(x).split(split_size,
 dim=2)`` into Q, K and V. The same heads leave all three pieces of c_attn's output rows, c_proj's
 input columns follow, ``split_size`` follows the kept width; recorded and replayed exactly; a
 split whose size nothing holds is refused naming the module."""

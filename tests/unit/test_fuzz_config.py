@@ -1,5 +1,5 @@
 """Property-based fuzzing of the config parser, the field validation and the per-layer plan
-resolver (issue #7): generated and mutated upstream configs must be accepted (and then give a
+resolver: generated and mutated upstream configs must be accepted (and then give a
 plan that obeys the rules) or raise ValueError/TypeError with a message; nothing else, no hang.
 
 The model graph is captured once per module; each example only parses and plans, so thousands

@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the record file reader and of what restore builds from a record
-(issue #7): 2:4 masks (``masks_in_record``), filter-prune groups (``groups_from_records``) and,
+"""Property-based fuzzing of the record file reader and of what restore builds from a record:
+2:4 masks (``masks_in_record``), filter-prune groups (``groups_from_records``) and,
 for fewer cases, the whole ``restore_compressed_retrain_model``. Generated and mutated records
 (upstream's four and one of ours) must be accepted or refused with ValueError/TypeError and a
 message; never another exception, never a hang. An accepted record must round-trip, and a

@@ -1,7 +1,7 @@
-"""Issue 16: fuzzing the *values* that enter from files (the first-round fuzzers cover their
-syntax): checkpoint contents (dtypes, NaN/inf, mask values, clips) and record values (NaN, inf,
-ranges of scales, offsets and prune indices). Every mutation is either refused with a
-ValueError naming the file and the key/field, or accepted with values that are in range."""
+"""Fuzzing the *values* that enter from files (test_fuzz_config.py and test_fuzz_record.py
+cover their syntax): checkpoint contents (dtypes, NaN/inf, mask values, clips) and record
+values (NaN, inf, ranges of scales, offsets and prune indices). Every mutation is either refused
+with a ValueError naming the file and the key/field, or accepted with values that are in range."""
 
 from __future__ import annotations
 

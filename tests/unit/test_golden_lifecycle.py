@@ -1,5 +1,5 @@
 """The demo config's create -> save and restore -> save write exactly the files they wrote
-before the technique-lifecycle redesign (issue 17): record text and both ONNX files, byte for
+before the technique-lifecycle redesign: record text and both ONNX files, byte for
 byte. The reference files were written once, by the code at e6cf75e, with
 ``python -m tests.golden.lifecycle tests/fixtures/golden``.
 
@@ -9,16 +9,16 @@ the seeded weights and on element-wise arithmetic, which the AVX2 and AVX-512 ke
 x86-64 CPU this project runs on (AMD EPYC, Intel Xeon) round alike; checked with
 ATEN_CPU_CAPABILITY=avx2 and =avx512, with 1 and 2 threads, and two hash seeds.
 
-What later issues add on purpose is taken off before the comparison, and only that: the
-record's fingerprint comment lines (``# openamct-...``, issue 16) and the ONNX files' save id
-(one ``metadata_props`` entry, issue 16). Everything else must be the old bytes.
+What later changes add on purpose is taken off before the comparison, and only that: the
+record's fingerprint comment lines (``# openamct-...``) and the ONNX files' save id
+(one ``metadata_props`` entry). Everything else must be the old bytes.
 
-One change was made on purpose since: issue 14 puts a quantized layer's bias on the int32 grid
-the deploy model adds it on (``CompressedLayer._bias_on_int32_grid``). The two fake-quant
+One change was made on purpose since: a quantized layer's bias is put on the int32 grid the
+deploy model adds it on (``CompressedLayer._bias_on_int32_grid``). The two fake-quant
 references were rewritten then; they differ from e6cf75e's in four bias initializers only
 (layer2-4, fc; by at most 1.5e-5), and the deploy files and records not at all.
 
-And issue 19 exports the deploy model's weights as int8 from torch (``WeightDQ``) instead of
+And the deploy model's weights are exported as int8 from torch (``WeightDQ``) instead of
 quantizing float initializers in the post-pass. The two deploy references were rewritten then:
 the same ops, and the same initializer values (compared as a multiset of dtype and bytes); only
 initializer order and two kinds of names moved (the weight zero points are now

@@ -142,7 +142,7 @@ def test_inplace_ops_and_keyword_inputs():
 
 def test_capture_frees_each_activation_once_read():
     """The capture holds what a forward holds: an activation is freed once its readers ran, not
-    kept to the end (issue 19: the whole forward's activations at once, +0.28x a 60M model's
+    kept to the end (holding the whole forward's activations at once cost +0.28x a 60M model's
     weights at create)."""
     freed_before_return: list[int] = []  # outside the model: capture undoes what forward sets on it
 

@@ -1,4 +1,4 @@
-"""T5's relative position bias (issue 15): an Embedding with one column per head, added to the
+"""T5's relative position bias: an Embedding with one column per head, added to the
 attention scores of every layer. Its columns follow the pruned heads, which couples every
 layer's heads through the one shared table; recorded and replayed exactly. A per-head bias
 nothing can slice (a buffer) still blocks, naming it."""

@@ -1,4 +1,4 @@
-"""Filter pruning of whole attention heads (issue 15): Q/K/V rows by head, O's columns follow,
+"""Filter pruning of whole attention heads: Q/K/V rows by head, O's columns follow,
 heads scored over all producers, GQA kept consistent, head-count attributes the forward reads
 updated, recorded and replayed; what cannot be followed is refused with the module's name."""
 

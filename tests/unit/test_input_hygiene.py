@@ -1,4 +1,4 @@
-"""Input hygiene of the public API (issue #7): unusual but legitimate models and inputs work,
+"""Input hygiene of the public API: unusual but legitimate models and inputs work,
 wrong ones get a clear error before any work starts.
 
 meta-device models, frozen parameters, models in eval (or mixed) mode, inputs of the wrong
@@ -194,7 +194,7 @@ def test_input_of_the_wrong_dtype_is_a_clear_error_naming_the_layer(api, dtype, 
 
 
 def test_double_model_is_refused_at_create(files):
-    # issue 16: fp64 trained here but failed only at save; refused at create (docs/limits.md)
+    # fp64 would train but fail only at save, so it is refused at create (docs/limits.md)
     with pytest.raises(ValueError, match=r"model has torch.float64 tensors \('conv.weight'\)"):
         create("compressed", Net().double(), files, X.double())
 

@@ -1,4 +1,4 @@
-"""What third-party model code needs from a compressed model (issue 13): layers that are still
+"""What third-party model code needs from a compressed model: layers that are still
 what they were, Hugging Face's Conv1D, parametrized weights, keyword inputs and structured
 outputs with the same names in both files, and a capture that leaves nothing behind."""
 
@@ -182,7 +182,7 @@ def test_one_warning_per_reason_not_per_layer(tmp_path, caplog):
         amct.create_compressed_retrain_model(bert, {"input_ids": ids}, write_cfg(tmp_path, INT8_CFG + FILTER),
                                              str(tmp_path / "r.txt"))
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    # residual adds (6 groups) and the pooler output: 2 reasons; q/k/v heads are pruned (issue 15)
+    # residual adds (6 groups) and the pooler output: 2 reasons; q/k/v heads are pruned whole
     assert len(lines) <= 3, lines
     assert any("add combines the channels" in msg and ": 6:" in msg for msg in lines), lines
     assert not any("view" in msg for msg in lines), lines

@@ -233,14 +233,14 @@ def test_state_dict_round_trip_and_set_mask():
         parent["sp"](layer.weight + torch.randn_like(layer.weight))
     sd = parent.state_dict()
     assert set(sd) == {"sp.mask_bits", "sp.mask_ready", "sp.step"}
-    # packed: a bit per weight, not a float copy of the weight nor a byte (issue 19)
+    # packed: a bit per weight, not a float copy of the weight nor a byte (large models)
     assert sd["sp.mask_bits"].dtype == torch.uint8 and sd["sp.mask_bits"].shape == (layer.weight.numel() // 8,)
     assert sd["sp.step"].dtype == torch.int64
     fresh = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
     fresh.load_state_dict(sd)
     assert torch.equal(fresh["sp"].mask, parent["sp"].mask) and fresh["sp"].version == 1
     assert not parent["sp"].mask.all() and parent["sp"].mask.dtype == torch.bool
-    for old_dtype in (torch.float32, torch.bool):  # float masks before issue 19, then bool
+    for old_dtype in (torch.float32, torch.bool):  # float masks before masks were packed, then bool
         older = nn.ModuleDict({"sp": NMSparsifier.from_module(layer, 2)}).train()
         unpacked = {k: v for k, v in sd.items() if k != "sp.mask_bits"} | {"sp.mask": parent["sp"].mask.to(old_dtype)}
         older.load_state_dict(unpacked)
@@ -335,8 +335,8 @@ def test_pack_layout_and_errors():
 @pytest.mark.parametrize("shape,axis,groups", [((8, 6, 3, 3), 1, 1), ((12, 5, 3, 3), 0, 3), ((10, 7), 1, 1),
                                                ((6, 4, 2), 0, 2)])
 def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, groups):
-    """check_nm_pattern counts kept weights beyond 2 per group of 4 (issue 19: recomputing a mask
-    from the mask was most of restore's time); the count equals what the recompute drops."""
+    """check_nm_pattern counts kept weights beyond 2 per group of 4 (recomputing a mask from
+    the mask was most of restore's time); the count equals what the recompute drops."""
     from openamct.techniques.sparsity24 import excess_over_2_of_4
 
     torch.manual_seed(0)
@@ -351,9 +351,9 @@ def test_pattern_check_counts_what_recomputing_the_mask_would_drop(shape, axis, 
                                                ((6, 4, 2), 0, 2)])
 @pytest.mark.parametrize("slice_elems", [1, 30, 1 << 20])
 def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_elems, monkeypatch):
-    """check_nm_pattern reads the packed mask a slice of rows at a time (restore's memory, issue
-    19): it refuses what the whole-mask count refuses, with the same counts, wherever the
-    excess lies (here: only in the last row)."""
+    """check_nm_pattern reads the packed mask a slice of rows at a time (restore's memory on
+    large models): it refuses what the whole-mask count refuses, with the same counts, wherever
+    the excess lies (here: only in the last row)."""
     from openamct.prune import nm
     from openamct.record.mask_codec import pack_bits
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4

@@ -133,7 +133,7 @@ def test_read_only_save_folder_is_refused_before_export(tmp_path):
 
 
 def test_a_large_record_is_recognised_by_its_start_and_a_large_other_file_refused(tmp_path):
-    """Above 1 MB a record is judged by its first entry, not parsed whole (issue 19: parsing a
+    """Above 1 MB a record is judged by its first entry, not parsed whole (parsing a
     250M-parameter model's record twice made up a third of save)."""
     from openamct.output_paths import check_output
 

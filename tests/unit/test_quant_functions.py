@@ -63,7 +63,8 @@ def test_qparams_float_matches_tensor_version():
 # --- ULQ activations -------------------------------------------------------------------------
 
 def _ulq_reference(x, cmax, cmin, fixed_min, g):
-    """SPEC §4 / upstream formulas in float64 (independent of the implementation)."""
+    """The ULQ formulas of docs/dev/reference.md (upstream's) in float64, independent of the
+    implementation."""
     x64, g64 = x.double(), g.double()
     cmax, cmin = max(cmax, 0.0), (0.0 if fixed_min else min(cmin, 0.0))
     s = np.float32((np.float32(cmax) - np.float32(cmin)) / np.float32(255))
@@ -139,7 +140,7 @@ def test_clip_init_uniform_distribution():
 def test_clip_init_search_picks_mse_minimum():
     gen = torch.Generator().manual_seed(6)
     x = torch.cat([torch.randn(20_000, generator=gen), torch.tensor([9.0, -7.0])])
-    assert clip_init.percentile_max_min(x)[0] < 5.0  # the two outliers are ignored (issue 16)
+    assert clip_init.percentile_max_min(x)[0] < 5.0  # the two outliers are ignored
     hi, lo = 9.0, -7.0  # the search itself, from upstream's true extremes
     best_max, best_min = clip_init.search_clips(x, hi, lo, fixed_min=False)
 

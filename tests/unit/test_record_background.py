@@ -1,4 +1,5 @@
-"""A record write that a training forward triggers runs on a background thread (issue 19)."""
+"""A record write that a training forward triggers runs on a background thread (a large
+model's record write would otherwise stall that step)."""
 
 import logging
 import shutil

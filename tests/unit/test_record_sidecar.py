@@ -1,4 +1,4 @@
-"""Large models' 2:4 masks live in a mask file beside the record (issue 19).
+"""Large models' 2:4 masks live in a mask file beside the record.
 
 The threshold is lowered so a small model takes the large-model path; the demo-sized default
 keeps masks inline (the golden test holds that)."""

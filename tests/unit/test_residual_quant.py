@@ -1,4 +1,4 @@
-"""Issue 14: a tensor that a quantized layer and a residual Add both read (a block's output, a
+"""A tensor that a quantized layer and a residual Add both read (a block's output, a
 ReLU's) is quantized in the training model with that layer's input quantizer, through a forward
 hook on the module that returns it. The deploy model's QLinearAdd reads that grid; without the
 hook the fake-quant Add read the tensor unclipped and the two files disagreed."""

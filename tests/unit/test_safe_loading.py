@@ -1,4 +1,4 @@
-"""Safe loading (issue #7): checkpoints load with ``weights_only=True``, so a checkpoint that
+"""Safe loading: checkpoints load with ``weights_only=True``, so a checkpoint that
 carries a pickle payload is refused with a clear ValueError before anything runs; config and
 record parsing never evaluate their contents.
 

@@ -1,4 +1,4 @@
-"""Issue 16, point 3: the two files of one save are a pair (one save id in their ONNX
+"""The two files of one save are a pair (one save id in their ONNX
 metadata_props), ``openamct verify`` refuses a pair from different saves, and the next save
 removes the temporary files a killed save left behind."""
 

@@ -1,6 +1,6 @@
 """A shared ActULQ (q/k/v, gate/up read one tensor) quantizes a tensor once for all its readers:
 the same output object, the same values and gradients as separate calls, and a new output as
-soon as the tensor, the clips or the grad mode change (quant/quantizers.py, issue 19)."""
+soon as the tensor, the clips or the grad mode change (quant/quantizers.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """export/deferred.py + staging.stage_streamed: the exporter traces placeholder weights and never
 sees their values; each folded weight is computed and written one at a time, inline (one
 protobuf merge chunk per initializer) or as external data, and the file reads back as the one
-model it always was (issue 19). Real torch.onnx.export, onnx parsing and ONNX Runtime."""
+model it always was (large models export in bounded memory). Real torch.onnx.export, onnx
+parsing and ONNX Runtime."""
 
 import os
 import sys
