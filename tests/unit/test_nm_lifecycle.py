@@ -151,7 +151,7 @@ def test_record_mask_of_wrong_shape_names_the_layer(tmp_path):
 
 
 @pytest.mark.parametrize("old_dtype", [torch.float32, torch.bool])
-def test_checkpoint_with_unpacked_masks_from_before_issue_19_restores(tmp_path, old_dtype):
+def test_checkpoint_with_unpacked_masks_from_before_masks_were_packed_restores(tmp_path, old_dtype):
     """Masks are packed bits now; older checkpoints held float 0/1 masks, then bool ones, under
     ``<layer>.sparsity.mask``."""
     x = torch.randn(4, 3, 32, 32)
