@@ -18,8 +18,8 @@ from openamct.quant.functions import LEVELS, QMAX, QMIN
 class _InputClipGrad(Function):
     """Identity on a linear op's output ``out = op(x_q, w)``; its backward adds the ULQ clip
     gradients of x_q = ULQ(x) when x itself needs no gradient. By linearity of op,
-    sum(dL/dx_q * c) = sum(dL/dout * op(c, w)) for the per-element coefficient c of each clip, and
-    with nothing saturated c_max = (x_q - x)/(255 s), c_min = -c_max: one forward op."""
+    sum(dL/dx_q * c) = sum(dL/dout * op(c, w)) for the per-element coefficient c of each clip:
+    one forward op for clip_max, one more for clip_min (on the saturation mask)."""
 
     @staticmethod
     def forward(ctx, out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op):
@@ -36,23 +36,19 @@ class _InputClipGrad(Function):
         fixed_min, op, pdtype = ctx.consts
         w = w.detach().float()  # float32 sums, whatever dtype autocast gave the op
         y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s
-        x_lo, x_hi = torch.aminmax(x)
         g = g_out.reshape(-1).float()
         grad_min = None
-        # The one host read of this path, which runs on the CPU only (``CompressedLayer._taps_input``):
-        # nothing saturated needs one op, else two.
-        if bool((y_lo <= x_lo) & (x_hi <= y_hi)):
-            grad_max = torch.dot(g, op(xq - x, w, None).reshape(-1)) / (LEVELS * s)
-            grad_min = -grad_max
-        else:
-            e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
-            e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
-            up, lo = x > y_hi, x < y_lo
-            c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (LEVELS * s)))
-            grad_max = torch.dot(g, op(c_max, w, None).reshape(-1))
-            if not fixed_min:  # c_min = saturated - c_max
-                sat = (up | lo).to(x.dtype)
-                grad_min = torch.dot(g, op(sat, w, None).reshape(-1)) - grad_max
+        # Saturated inputs take their clip's constant coefficient; the rest (x_q - x) / (255 s).
+        # One path whether anything saturates or not: telling the two apart would cost a host
+        # read per step.
+        e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
+        e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
+        up, lo = x > y_hi, x < y_lo
+        c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (LEVELS * s)))
+        grad_max = torch.dot(g, op(c_max, w, None).reshape(-1))
+        if not fixed_min:  # c_min = saturated - c_max
+            sat = (up | lo).to(x.dtype)
+            grad_min = torch.dot(g, op(sat, w, None).reshape(-1)) - grad_max
         return (g_out, grad_max.to(pdtype), None if fixed_min else grad_min.to(pdtype),
                 None, None, None, None, None, None)
 

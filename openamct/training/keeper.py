@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from openamct.quant.activation import QuantizedActivation
 from openamct.record.file_io import write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.record.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
+from openamct.training.guard import locate, outputs_finite
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class RecordKeeper:
         self.header = ""  # comment lines written above the record: the model's fingerprint
         self.large = None  # the model's LargeRuntime (large/runtime.py) when build gave it one
         self.record_text = None  # the record's fast printer (record.file_io.FastText) when build gave one
+        self.training_forwards = 0  # counted for the bad-value guard's message
+        self._locating = False  # the guard is running a batch again: the hooks stand aside
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()
@@ -69,8 +73,8 @@ class RecordKeeper:
     # -- hooks -----------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
         model._openamct = self
-        model.register_forward_pre_hook(self.before_forward)
-        model.register_forward_hook(self.after_forward)
+        model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
+        model.register_forward_hook(self.after_forward, with_kwargs=True)
         model.register_state_dict_pre_hook(lambda *_: (self.undo_failed_forward(), self.wait()))
         # A mask file in writing reads the live masks (sidecar.MaskBlob): a load must wait for it.
         model._register_load_state_dict_pre_hook(lambda *_: self.wait())
@@ -84,17 +88,24 @@ class RecordKeeper:
             snap.restore()
             logger.debug("state of a forward that raised put back")
 
-    def before_forward(self, model: nn.Module, args) -> None:
+    def before_forward(self, model: nn.Module, args, kwargs) -> None:
         from openamct.training.rollback import ForwardSnapshot
 
+        if self._locating:
+            return
         self.undo_failed_forward()
         self._snapshot = ForwardSnapshot(self.layers, model.training, model)
         if self._snapshot.masks_due:
             self.wait()  # a mask file in writing reads the masks this forward may recompute
         if model.training:
             self._trained = True
+            self.training_forwards += 1
 
-    def after_forward(self, model: nn.Module, args, output) -> None:
+    def after_forward(self, model: nn.Module, args, kwargs, output) -> None:
+        if self._locating:
+            return
+        if model.training and not outputs_finite(output):
+            self._refuse_bad_values(model, args, kwargs)
         self._snapshot = None
         eval_after_training = not model.training and self._trained
         if eval_after_training:
@@ -116,6 +127,25 @@ class RecordKeeper:
             self._write_failed_now(exc)
         else:
             self._write_failed = False
+
+    def _refuse_bad_values(self, model: nn.Module, args, kwargs) -> None:
+        """A NaN/inf came out of a training forward: put the model back as it was before it,
+        find where the value entered, and stop the step before its backward."""
+        self.undo_failed_forward()
+        watched = {n: m for n, m in model.named_modules()
+                   if n in self.layers or isinstance(m, QuantizedActivation)}
+        self._locating = True
+        try:
+            from openamct.training.rollback import ForwardSnapshot
+
+            snap = ForwardSnapshot(self.layers, model.training, model)
+            where = locate(model, watched, args, kwargs)
+            snap.restore()
+        finally:
+            self._locating = False
+        raise ValueError(f"training step {self.training_forwards}: a NaN/inf value reached {where}. The model is as "
+                         "it was before this forward (no clip, statistic or mask took the value); check the batch, "
+                         "or lower the learning rate if the parameters diverged")
 
     def _write_failed_now(self, exc: OSError) -> None:
         if not getattr(self, "_write_failed", False):

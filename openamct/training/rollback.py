@@ -42,6 +42,8 @@ def stateful_modules(model: nn.Module | None, layers: dict[str, nn.Module]) -> l
         for name, m in layer.named_children():
             found.setdefault(id(m), (m, name in masks))
     for m in model.modules() if model is not None else ():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):  # the model's own: a failed forward's batch
+            found.setdefault(id(m), (m, False))  # must not enter its running statistics either
         if isinstance(m, QuantizedActivation):
             for q in m.quantizers().values():
                 found.setdefault(id(q), (q, False))
