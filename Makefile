@@ -8,10 +8,15 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-fast proto lint bench clean
 
+# The vision zoos' torchvision and timm go into $(VENV)/zoo-site, which only tests/zoo puts on
+# sys.path: PyPI's torchvision is a CUDA build whose import fails against the CPU torch, and
+# transformers imports torchvision wherever it is installed (tests/zoo/torchvision_ops.py).
+# --no-deps: pip must never bring another torch.
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,demo,examples]'
+	$(PIP) --no-deps --upgrade --target $(VENV)/zoo-site torchvision==0.28.0 timm==1.0.31
 	touch $(STAMP)
 
 demo: $(STAMP)

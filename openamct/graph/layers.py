@@ -9,10 +9,27 @@ from torch import nn
 
 from openamct.graph.graph import Graph
 from openamct.graph.parametrized import hook_reparametrized
-from openamct.layer_types import LAYER_TYPES, features, is_depthwise, layer_type_of
+from openamct.layer_types import LAYER_TYPES, LayerType, features, is_depthwise, layer_type_of
 from openamct.log_summary import warn_grouped
 
 logger = logging.getLogger(__name__)
+
+# The methods that compute a layer's output. A subclass that redefines one computes something
+# its base class does not (timm's Conv2dSame pads TF-"same" in its forward, StdConv2d
+# standardises its weight there), and a compressed layer runs the base class's op in its place.
+OUTPUT_METHODS = ("forward", "_conv_forward")
+
+
+def own_forward(module: nn.Module, row: LayerType) -> str | None:
+    """Why ``module`` must stay float because its class computes its own output, or None."""
+    cls = getattr(type(module), "_layer_cls", type(module))  # a compressed layer: what it was
+    base = row.cls or next(c for c in cls.__mro__ if c.__name__ == row.name)
+    changed = [m for m in OUTPUT_METHODS if getattr(cls, m, None) is not getattr(base, m, None)]
+    if not changed:
+        return None
+    return (f"its class {cls.__module__}.{cls.__qualname__} defines its own {changed[0]}, which the "
+            f"compressed {row.name} would replace")
+
 
 @dataclass
 class LayerInfo:
@@ -82,8 +99,11 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
         shared = [o for p in module.parameters(recurse=False) for o in owners.get(id(p), [])
                   if not o.startswith(name + ".")]
         hooked = hook_reparametrized(module)
+        own = own_forward(module, row)
         if hooked:
             info.excluded = hooked
+        elif own:
+            info.excluded = own
         elif len(aliases.get(id(module), [])) > 1:
             info.excluded = f"registered under several names ({', '.join(aliases[id(module)])})"
         elif calls == 0:

@@ -126,7 +126,8 @@ def reinitialise(model: nn.Module, inputs: dict, seed: int = 0) -> None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.05)
         elif isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and getattr(m, "weight", None) is not None:
             m.weight.copy_(0.75 + 0.5 * torch.rand(m.weight.shape, generator=g))
-            m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+            if m.bias is not None:  # timm's MetaFormers: norms without a bias
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if bns:
         for bn in bns:

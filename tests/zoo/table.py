@@ -1,24 +1,43 @@
-"""Print the zoo table (python -m tests.zoo.table): per family and config, the compressed layer
-counts, the share of compressed weight removed and the cosines (ORT's and OpenVINO's deploy
-runs against the fake-quant file)."""
+"""Print a zoo table (python -m tests.zoo.table [hf|torchvision|timm]): per family and config,
+the compressed layer counts, the share of compressed weight removed and the cosines (ORT's and
+OpenVINO's deploy runs against the fake-quant file), or the step that failed and its error."""
 
+import importlib
 import logging
+import sys
 import tempfile
+import traceback
 import warnings
 
-from tests.zoo.families import FAMILIES, build
 from tests.zoo.lifecycle import CONFIGS, run
+
+ZOOS = {"hf": "tests.zoo.families", "torchvision": "tests.zoo.torchvision_families",
+        "timm": "tests.zoo.timm_families"}
+
+
+def _row(build, family: str, name: str, cfg: str) -> str:
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            r = run(lambda: build(family), cfg, d)
+    except Exception as exc:  # the table reports failures, it does not stop at them
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/openamct/" in f.filename
+                  or "/tests/" in f.filename]
+        where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno}" if frames else "?"
+        error = " ".join(str(exc).split())[:160].replace("|", "/")
+        return f"| {family} | {name} | fails ({where}): {type(exc).__name__}: {error} |||||||"
+    return (f"| {family} | {name} | {r['quantized']} | {r['sparse']} | {r['pruned']} | "
+            f"{100 * r['removed_share']:.0f} % | {r['fake_vs_torch']:.5f} (min {r['fake_vs_torch_min']:.4f}) | "
+            f"{r['deploy_vs_fake']:.4f} | {r['openvino_vs_fake']:.4f} |")
+
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+    zoo = importlib.import_module(ZOOS[sys.argv[1] if len(sys.argv) > 1 else "hf"])
+    families = getattr(zoo, "FAMILIES", None) or zoo.BUILDERS
     print("| family | config | quantized | 2:4 | pruned | weight removed | fake vs torch | deploy vs fake | "
           "OpenVINO deploy vs fake |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for family in FAMILIES:
+    for family in families:
         for name, cfg in CONFIGS.items():
-            with tempfile.TemporaryDirectory() as d:
-                r = run(lambda f=family: build(f), cfg, d)
-            print(f"| {family} | {name} | {r['quantized']} | {r['sparse']} | {r['pruned']} | "
-                  f"{100 * r['removed_share']:.0f} % | {r['fake_vs_torch']:.5f} (min {r['fake_vs_torch_min']:.4f}) | {r['deploy_vs_fake']:.4f} | {r['openvino_vs_fake']:.4f} |",
-                  flush=True)
+            print(_row(zoo.build, family, name, cfg), flush=True)
