@@ -15,6 +15,8 @@ from openamct import pipeline
 from openamct.compressed.layer import CompressedLayer
 from openamct.export.element_types import onnx_element_type
 from openamct.formats import INT4_WEIGHT, INT8_ACT, INT8_WEIGHT, activation_format, weight_format
+from openamct.large.fused_linear import eval_linear, masked_quant_linear
+from openamct.quant.quantizers import WeightARQ
 from openamct.record.file_io import read_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.record.values import check_record_values
@@ -70,6 +72,25 @@ def test_record_offsets_checked_against_the_recorded_format():
         check_record_values(rec, "r")
 
 
+@pytest.mark.parametrize("channel_wise", [True, False])
+def test_fused_linear_takes_the_int4_range(channel_wise):
+    """The large-model Linear step computes what the composed INT4 ARQ path does."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 40, generator=g).requires_grad_()
+    x = torch.randn(6, 40, generator=g)
+    q = WeightARQ(channel_wise=channel_wise, fmt=INT4_WEIGHT)
+    ref = torch.nn.functional.linear(x, q(w))
+    y, scales = masked_quant_linear(x, w, None, None, channel_wise, False, qmax=INT4_WEIGHT.qmax)
+    torch.testing.assert_close(scales, q.scales(w))
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    assert torch.isfinite(w.grad).all()
+    ye, _ = eval_linear(x, w, None, channel_wise, False, qmax=INT4_WEIGHT.qmax)
+    torch.testing.assert_close(ye, ref.detach(), rtol=1e-5, atol=1e-5)
+    ints = (q(w.detach()) / q.scales(w).reshape(-1, 1)).round()
+    assert ints.abs().max() <= 7 and all(len(torch.unique(r)) <= 15 for r in ints)
+
+
 def _cfg(tmp_path, algo: str) -> str:
     p = tmp_path / "int4.cfg"
     p.write_text("retrain_data_quant_config { ulq_quantize { } }\n"
@@ -106,6 +127,10 @@ def test_int4_weight_lifecycle(tmp_path, algo):
         assert e.value.wts_type == "INT4" and not e.value.HasField("act_type"), e.key
     assert 'wts_type: "INT4"' in open(rec).read()
 
+    int8_cfg = tmp_path / "int8.cfg"
+    int8_cfg.write_text(open(cfg).read().replace(" dst_type: INT4 ", " "))
+    with pytest.raises(ValueError, match="quantized with wts_type INT4, but the config asks for INT8"):
+        amct.restore_compressed_retrain_model(MODELS[name](), x, str(int8_cfg), rec, ckpt, "state_dict")
     r = amct.restore_compressed_retrain_model(MODELS[name](), x, cfg, rec, ckpt, "state_dict")
     r.eval()
     with torch.no_grad():
