@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from openamct.quant.functions import LEVELS, QMAX, QMIN
+from openamct.formats import INT8_ACT, QuantFormat
 
 
 class _InputClipGrad(Function):
@@ -22,9 +22,9 @@ class _InputClipGrad(Function):
     one forward op for clip_max, one more for clip_min (on the saturation mask)."""
 
     @staticmethod
-    def forward(ctx, out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op):
+    def forward(ctx, out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op, fmt):
         ctx.save_for_backward(x, xq, w, *qparams)
-        ctx.consts = (fixed_min, op, clip_max.dtype)
+        ctx.consts = (fixed_min, op, clip_max.dtype, fmt)
         # Returned as itself, declared "modified in place": a view would forbid a following
         # in-place op (ReLU(inplace=True)), a clone would cost a pass and memory.
         ctx.mark_dirty(out)
@@ -33,31 +33,32 @@ class _InputClipGrad(Function):
     @staticmethod
     def backward(ctx, g_out):
         x, xq, w, s, zp, cmax, cmin = ctx.saved_tensors
-        fixed_min, op, pdtype = ctx.consts
+        fixed_min, op, pdtype, fmt = ctx.consts
+        levels = fmt.levels
         w = w.detach().float()  # float32 sums, whatever dtype autocast gave the op
-        y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s
+        y_lo, y_hi = (fmt.qmin - zp) * s, (fmt.qmax - zp) * s
         g = g_out.reshape(-1).float()
         grad_min = None
-        # Saturated inputs take their clip's constant coefficient; the rest (x_q - x) / (255 s).
+        # Saturated inputs take their clip's constant coefficient; the rest (x_q - x) / (levels s).
         # One path whether anything saturates or not: telling the two apart would cost a host
         # read per step.
-        e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
-        e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
+        e_up = (torch.round(cmax / s) - cmax / s) / levels
+        e_lo = (torch.round(cmin / s) - cmin / s) / levels
         up, lo = x > y_hi, x < y_lo
-        c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (LEVELS * s)))
+        c_max = torch.where(up, 1.0 + e_up, torch.where(lo, e_lo, (xq - x) / (levels * s)))
         grad_max = torch.dot(g, op(c_max, w, None).reshape(-1))
         if not fixed_min:  # c_min = saturated - c_max
             sat = (up | lo).to(x.dtype)
             grad_min = torch.dot(g, op(sat, w, None).reshape(-1)) - grad_max
         return (g_out, grad_max.to(pdtype), None if fixed_min else grad_min.to(pdtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def input_clip_grad(out: Tensor, clip_max: Tensor, clip_min: Tensor, x: Tensor, xq: Tensor,
                     w: Tensor, qparams: tuple[Tensor, Tensor, Tensor, Tensor], fixed_min: bool,
-                    op) -> Tensor:
+                    op, fmt: QuantFormat = INT8_ACT) -> Tensor:
     """``out`` (= op(xq, w, b)) unchanged, plus clip gradients for xq = ULQ(x); see _InputClipGrad.
-    ``qparams``: ``ulq_qparams`` of the clips (tensors on the device)."""
-    return _InputClipGrad.apply(out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op)
+    ``qparams``: ``ulq_qparams`` of the clips (tensors on the device) in format ``fmt``."""
+    return _InputClipGrad.apply(out, clip_max, clip_min, x, xq, w, qparams, fixed_min, op, fmt)
 
 

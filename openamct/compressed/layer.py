@@ -5,9 +5,10 @@ Weight path: w -> 2:4 mask -> further masks -> BN scale (if a BN is folded) -> w
 
 BN folding (docs/dev/reference.md, Algorithms). Eval (and a BN in eval mode): the exact fold, op(x, q(w*g/s), (b-mu)*g/s+beta).
 Training: torch.ao's approximate fold, y = BN_train(op(x, q(w*c)) / c + b), c = g/sqrt(running_var
-+ eps). When the weight quantizer is per-output-channel symmetric ARQ, q(w*c) = c*q(w) exactly (in
-real arithmetic), so that expression equals BN_train(op(x, q(w), b)) and the multiply and divide
-are skipped; other quantizers take the literal path.
++ eps). When the weight quantizer commutes with a per-output-channel scale
+(``commutes_with_channel_scale``: symmetric per-channel ARQ, q(w*c) = c*q(w) exactly in real
+arithmetic), that expression equals BN_train(op(x, q(w), b)) and the multiply and divide are
+skipped; other quantizers take the literal path.
 
 First layer: when the input needs no gradient (the image) but its quantizer's clips do, the clip
 gradients come from one extra forward op instead of the op's backward-data (``clip_grad``).
@@ -27,7 +28,7 @@ from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
 from openamct.quant.functions import graph_mode, ulq_qparams
-from openamct.quant.quantizers import ActULQ, RangeObserver, WeightARQ, WeightULQ, host_flag
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, host_flag
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class CompressedLayer(WeightOp):
                 (self.weight_axis == 1 and self.weight_groups > 1):  # grouped ConvTranspose: weight kept float
             return b
         with torch.no_grad():
-            sx = ulq_qparams(aq.clip_max, aq.clip_min, host_flag(aq, "fixed_min"))[0]  # = scale_offset()[0]
+            sx = ulq_qparams(aq.clip_max, aq.clip_min, host_flag(aq, "fixed_min"), aq.format)[0]  # = scale_offset()[0]
             scale = sx * (self.wts_quant.scales(w.detach()) if scales is None else scales).float().reshape(-1)
             q = torch.round(b.detach().float() / scale)
             # Kept float when a value leaves int32 (no host read: a select, not a branch).
@@ -191,7 +192,7 @@ class CompressedLayer(WeightOp):
         return w
 
     def weight_scales(self) -> Tensor | None:
-        """INT8 weight scales of the folded, masked weight (Cout order or 1 element), for records.
+        """Weight scales (in ``wts_quant.format``) of the folded, masked weight (Cout order or 1 element), for records.
         They include |gamma/sigma| when a BN is folded."""
         if self.wts_quant is None:
             return None
@@ -244,11 +245,13 @@ class CompressedLayer(WeightOp):
         return y
 
     def plain_weight_path(self) -> bool:
-        """A Linear whose weight path is only a 2:4 mask and/or ARQ: ``large.fused_linear``
-        builds its effective weight in a given buffer (the training step, the save's writer)."""
+        """A Linear whose weight path is only a 2:4 mask and/or a quantizer whose scales come
+        from the weight alone (ARQ, any weight format): ``large.fused_linear`` builds its
+        effective weight in a given buffer (the training step, the save's writer)."""
         sp, q = self.sparsity, self.wts_quant
         return (self.kind.startswith("linear") and self.bn is None and not self.mask_names
-                and (sp is None or type(sp) is NMSparsifier) and (q is None or type(q) is WeightARQ))
+                and (sp is None or type(sp) is NMSparsifier)
+                and (q is None or bool(getattr(q, "scales_from_weight", False))))
 
     def _saw_scales(self, scales: Tensor | None) -> None:
         """The ARQ scales a fused forward quantized with, for the record (``weight_scales``)."""
@@ -267,9 +270,9 @@ class CompressedLayer(WeightOp):
             return y
         aq = self.act_quant
         fixed = host_flag(aq, "fixed_min")
-        qp = ulq_qparams(aq.clip_max, aq.clip_min, fixed)
+        qp = ulq_qparams(aq.clip_max, aq.clip_min, fixed, aq.format)
         return input_clip_grad(y, aq.clip_max, aq.clip_min, tap[0], tap[1], w, qp, fixed,
-                               self._op)
+                               self._op, aq.format)
 
     def _forward_fold_train(self, x: Tensor, tap=None) -> Tensor:
         if self._fold_commutes():

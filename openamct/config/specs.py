@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from openamct.formats import QuantFormat, activation_format, weight_format
+
 
 @dataclass(frozen=True)
 class ActSpec:
@@ -17,14 +19,23 @@ class ActSpec:
     clip_max: float | None = None
     clip_min: float | None = None
     fixed_min: bool | None = None
-    dst_type: str = "INT8"
+    dst_type: str = "INT8"  # a name of openamct.formats.ACTIVATION_FORMATS
+
+    @property
+    def format(self) -> QuantFormat:
+        return activation_format(self.dst_type)
 
 
 @dataclass(frozen=True)
 class WtsSpec:
     algo: str = "arq"  # "arq" | "ulq"
     channel_wise: bool = True
-    dst_type: str = "INT8"
+    dst_type: str = "INT8"  # a name of openamct.formats.WEIGHT_FORMATS
+
+    @property
+    def format(self) -> QuantFormat:
+        """The weight format, with this layer's granularity."""
+        return weight_format(self.dst_type, self.channel_wise)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from openamct.export.export_layer import (
     per_channel_view,
 )
 from openamct.export.onnx_graph import OnnxGraph
+from openamct.formats import INT8_WEIGHT
 from openamct.quant.covering_pool import fold_pools
 from openamct.techniques.base import ExportParts, Technique
 
@@ -65,15 +66,16 @@ def _weight_dq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightD
     scales = parts.weight_scales
     if scales is None:
         return None
+    fmt = parts.weight_format or INT8_WEIGHT
     if not parts.weight_per_channel:
-        return WeightDQ(scales, None)
+        return WeightDQ(scales, None, fmt)
     w2, axis = per_channel_view(w, layer)
     if w2.shape != w.shape:
         # Grouped ConvTranspose: Cout is not one axis of the stored weight, so no per-axis
         # DequantizeLinear expresses it; kept float (ORT's CPU EP has no integer ConvTranspose).
         logger.info("deploy: grouped %s weight kept float", layer.layer_type)
         return None
-    return WeightDQ(scales, axis)
+    return WeightDQ(scales, axis, fmt)
 
 
 def fold_deploy(model: nn.Module, techniques: Sequence[Technique], defer=None) -> dict[str, tuple[float, float]]:

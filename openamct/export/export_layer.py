@@ -21,10 +21,12 @@ from torch.autograd import Function
 from openamct._checks import unwrap
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
+from openamct.export.element_types import storage_dtype
+from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
 from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
-from openamct.quant.functions import QMAX, QMIN, to_channel_major
+from openamct.quant.functions import to_channel_major
 from openamct.quant.residual import swap_hook_quantizers
 from openamct.techniques.base import ExportParts, Technique
 from openamct.training.decisions import KEY as DECISIONS_KEY
@@ -189,16 +191,17 @@ class ExportLayer(WeightOp):
 
 
 class QDQAct(nn.Module):
-    """uint8 activation quantization (zero point = int8 offset + 128, numerically the same
-    as the int8 fake quant); exports as QuantizeLinear -> DequantizeLinear."""
+    """uint8 activation quantization (zero point = offset - qmin, INT8: offset + 128, numerically
+    the same as the signed fake quant of ``fmt``); exports as QuantizeLinear -> DequantizeLinear."""
 
-    def __init__(self, scale: float, offset: int) -> None:
+    def __init__(self, scale: float, offset: int, fmt: QuantFormat = INT8_ACT) -> None:
         super().__init__()
         self.scale = float(torch.tensor(scale, dtype=torch.float32))
-        self.zero_point = int(offset) - QMIN
+        self.zero_point = int(offset) - fmt.qmin
+        self.levels = fmt.levels
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, 0, 255)
+        return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, 0, self.levels)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.8g}, zero_point={self.zero_point} (uint8)"
@@ -223,23 +226,27 @@ class _Dequantize(Function):
 
 
 class WeightDQ(nn.Module):
-    """The deploy model's weight: int8 values (``quantize``) and the trained scales, per output
-    channel on ``axis`` or one (``axis`` None). Stored as int8 in torch already, so exporting
-    the deploy model carries a quarter of the float weight bytes."""
+    """The deploy model's weight: integer grid values of ``fmt`` (``quantize``) and the trained
+    scales, per output channel on ``axis`` or one (``axis`` None). Stored as int8 in torch
+    already (``element_types.storage_dtype``; an INT4 weight's values are int8 in -8..7), so
+    exporting the deploy model carries a quarter of the float weight bytes."""
 
-    def __init__(self, scales: Tensor, axis: int | None) -> None:
+    def __init__(self, scales: Tensor, axis: int | None, fmt: QuantFormat = INT8_WEIGHT) -> None:
         super().__init__()
         self.axis = axis
+        self.format = fmt
+        self.dtype = storage_dtype(fmt)
         shape = () if axis is None else (-1,)
         self.register_buffer("scales", scales.detach().float().reshape(shape).clone())
-        self.register_buffer("zeros", torch.zeros(self.scales.shape, dtype=torch.int8))
+        self.register_buffer("zeros", torch.zeros(self.scales.shape, dtype=self.dtype))
 
     def quantize(self, w: Tensor, out: Tensor | None = None) -> Tensor:
-        """int8 of the (already fake-quantized) float weight: round(w / s) as numpy's rint,
+        """Grid values of the (already fake-quantized) float weight: round(w / s) as numpy's rint,
         into ``out`` when given. A slice of rows at a time: the float temporaries stay small
         (a weight-sized one per layer fragments the heap for the rest of a save)."""
         w = w.detach()
-        out = torch.empty(w.shape, dtype=torch.int8) if out is None else out
+        out = torch.empty(w.shape, dtype=self.dtype) if out is None else out
+        qmin, qmax = self.format.qmin, self.format.qmax
         s = self.scales
         if self.axis is not None:
             shape = [1] * w.dim()
@@ -248,7 +255,7 @@ class WeightDQ(nn.Module):
         step = max(1, (1 << 20) // max(1, w[0].numel()))
         for r in range(0, w.shape[0], step):
             rows = slice(r, r + step)
-            out[rows].copy_(torch.round(w[rows].float() / (s[rows] if self.axis == 0 else s)).clamp_(QMIN, QMAX))
+            out[rows].copy_(torch.round(w[rows].float() / (s[rows] if self.axis == 0 else s)).clamp_(qmin, qmax))
         return out
 
     def forward(self, q: Tensor) -> Tensor:

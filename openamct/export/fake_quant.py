@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
 from openamct.export.export_layer import fold_activations, fold_layers
+from openamct.formats import INT8_ACT, QuantFormat
 from openamct.quant.covering_pool import fold_pools
-from openamct.quant.functions import QMAX, QMIN
 from openamct.techniques.base import ExportParts, Technique
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,11 @@ __all__ = ["FakeQuantAct", "fold_fake_quant", "fold_plain"]
 
 
 class FakeQuantAct(nn.Module):
-    """INT8 activation fake quant written as six float ONNX ops (see the module docstring)."""
+    """Activation fake quant (``fmt``: INT8) written as six float ONNX ops (see the module docstring)."""
 
-    def __init__(self, scale: float, offset: int) -> None:
+    def __init__(self, scale: float, offset: int, fmt: QuantFormat = INT8_ACT) -> None:
         super().__init__()
+        self.qmin, self.qmax = fmt.qmin, fmt.qmax
         s = np.float32(scale)
         self.scale = float(s)
         self.inv_scale = float(np.float32(1.0) / s)  # float32 division, as torch's kernel
@@ -48,7 +49,7 @@ class FakeQuantAct(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q = (x * self.inv_scale).round() + self.offset
-        return (q.clamp(QMIN, QMAX) - self.offset) * self.scale
+        return (q.clamp(self.qmin, self.qmax) - self.offset) * self.scale
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.8g}, offset={int(self.offset)}"

@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from openamct.compressed.ops import as_layer_class, public_attrs
 from openamct.export.export_layer import ExportLayer
+from openamct.formats import INT8_WEIGHT
 from openamct.large.embedding_grad import PooledGradEmbedding
 from openamct.large.memory import zero_mapped
 from openamct.module_tree import set_module
@@ -103,7 +104,8 @@ class DeferredWeight:
         w = layer.weight.detach()
         mask = None if sp is None else sp.mask_bits
         out = scratch.take(0, tuple(w.shape), w.dtype)
-        _effective(w, mask, None if q is None else q.channel_wise, int(layer.kind == "linear_t"), out)
+        _effective(w, mask, None if q is None else q.channel_wise, int(layer.kind == "linear_t"), out,
+                   qmax=INT8_WEIGHT.qmax if q is None else q.format.qmax)
         return out
 
     def placeholder_value(self, key: str) -> Tensor:

@@ -30,10 +30,11 @@ from torch.autograd import Function
 if TYPE_CHECKING:  # runtime.py calls this module's forward: imported where a fresh runtime is made
     from openamct.large.runtime import LargeRuntime
 
+from openamct.formats import INT8_WEIGHT
 from openamct.large.mask_bits import unpack_rows_reused
 from openamct.large.workspace import Workspace
 from openamct.prune.nm import apply_mask
-from openamct.quant.functions import QMAX, SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
+from openamct.quant.functions import SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 from openamct.record.mask_codec import unpack_rows
 
 # The buffers live in the model's ``LargeRuntime`` (runtime.py), passed in as ``rt``: ``rt.scratch``
@@ -65,23 +66,23 @@ def _row_slices(w: Tensor):
 
 def _effective(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
                out: Tensor, scales: Tensor | None = None, codes: Tensor | None = None,
-               ws: Workspace | None = None) -> Tensor | None:
+               ws: Workspace | None = None, qmax: int = INT8_WEIGHT.qmax) -> Tensor | None:
     """Write mask(w) (``mask``: packed, ``mask_bits``' layout), fake-quantized when
     ``channel_wise`` is not None, into ``out`` (its int8 grid values into ``codes`` if given);
-    return the ARQ scales (output channels on ``axis``, or 1 element; computed unless given) or
-    None.
+    return the ARQ scales (max|w|/``qmax``, the weight format's; output channels on ``axis``,
+    or 1 element; computed unless given) or None.
 
     A slice of rows at a time: the mask, the scales' reduction and the three
     quantize passes then run on 4 MB that stays in cache, instead of six trips through memory
     over the whole weight. Every element gets the same ops as on the whole tensor (a max is
     exact in any order), so the result is bit-identical."""
     if _whole_scales_needed(channel_wise, axis, scales):  # the masked weight waits in ``out``
-        scales = _scales_over_rows(w, mask, channel_wise, axis, lambda rows: out[rows], ws)
+        scales = _scales_over_rows(w, mask, channel_wise, axis, lambda rows: out[rows], ws, qmax)
         for rows in _row_slices(w):
             _quantize_(out[rows], _scales_of(scales, rows, channel_wise, axis), channel_wise, axis,
                        None if codes is None else codes[rows])
         return scales
-    return _each_slice(w, mask, channel_wise, axis, scales, lambda rows: out[rows], codes=codes, ws=ws)
+    return _each_slice(w, mask, channel_wise, axis, scales, lambda rows: out[rows], codes=codes, ws=ws, qmax=qmax)
 
 
 def _whole_scales_needed(channel_wise: bool | None, axis: int, scales: Tensor | None) -> bool:
@@ -90,19 +91,19 @@ def _whole_scales_needed(channel_wise: bool | None, axis: int, scales: Tensor | 
 
 
 def _scales_over_rows(w: Tensor, mask: Tensor | None, channel_wise: bool, axis: int, view,
-                      ws: Workspace | None = None) -> Tensor:
+                      ws: Workspace | None = None, qmax: int = INT8_WEIGHT.qmax) -> Tensor:
     """ARQ scales reduced over every row of mask(w), each slice masked into ``view(rows)``."""
     amax = None
     for rows in _row_slices(w):
         o = _masked_into(w, mask, rows, view(rows), ws)
         part = _absmax_per_channel(o, axis) if channel_wise else torch.maximum(o.amax(), o.amin().neg()).reshape(1)
         amax = part if amax is None else torch.maximum(amax, part)
-    return (amax.float() / QMAX).clamp_(min=SCALE_EPS)
+    return (amax.float() / qmax).clamp_(min=SCALE_EPS)
 
 
 def _each_slice(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
                 scales: Tensor | None, view, then=None, codes: Tensor | None = None,
-                ws: Workspace | None = None) -> Tensor | None:
+                ws: Workspace | None = None, qmax: int = INT8_WEIGHT.qmax) -> Tensor | None:
     """Build each slice of rows of the effective weight in ``view(rows)`` (per-row scales
     computed as it goes, other scales given; grid values into ``codes``), then call
     ``then(rows, slice)``; the scales."""
@@ -113,7 +114,7 @@ def _each_slice(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis:
         o = _masked_into(w, mask, rows, view(rows), ws)
         if channel_wise is not None:
             if per_row:
-                scales[rows] = (_absmax_per_channel(o, 0).float() / QMAX).clamp_(min=SCALE_EPS)
+                scales[rows] = (_absmax_per_channel(o, 0).float() / qmax).clamp_(min=SCALE_EPS)
             _quantize_(o, _scales_of(scales, rows, channel_wise, axis), channel_wise, axis,
                        None if codes is None else codes[rows])
         if then is not None:
@@ -157,7 +158,8 @@ def _slice_view(like: Tensor, dtype: torch.dtype, ws: Workspace):
 
 def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int,
                     lhs: Tensor, scales: Tensor | None = None, *, reduce: bool,
-                    codes: Tensor | None = None, ws: Workspace) -> tuple[Tensor, Tensor | None]:
+                    codes: Tensor | None = None, ws: Workspace, qmax: int = INT8_WEIGHT.qmax
+                    ) -> tuple[Tensor, Tensor | None]:
     """(a fresh contiguous ``lhs @ E`` when ``reduce``, else ``lhs @ E.T``; the ARQ scales or
     None), E the effective weight in ``w``'s layout (``_effective``'s). Each slice of E's rows
     is built in a small buffer and multiplied at once, so E never exists whole (see
@@ -167,9 +169,9 @@ def _sliced_product(w: Tensor, mask: Tensor | None, channel_wise: bool | None, a
     smaller products block differently (a few ulps; the scales are bit-identical)."""
     view = _slice_view(w, w.dtype, ws)
     if _whole_scales_needed(channel_wise, axis, scales):
-        scales = _scales_over_rows(w, mask, channel_wise, axis, view, ws)
+        scales = _scales_over_rows(w, mask, channel_wise, axis, view, ws, qmax)
     mm = _SlicedMM(lhs, w.shape, reduce)
-    scales = _each_slice(w, mask, channel_wise, axis, scales, view, mm.add, codes, ws)
+    scales = _each_slice(w, mask, channel_wise, axis, scales, view, mm.add, codes, ws, qmax)
     return mm.out, scales
 
 
@@ -205,7 +207,7 @@ def _dequantize_into(codes: Tensor, scales: Tensor, channel_wise: bool, axis: in
 class _MaskedQuantLinear(Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
-                channel_wise: bool | None, transposed: bool, rt):
+                channel_wise: bool | None, transposed: bool, rt, qmax: int = INT8_WEIGHT.qmax):
         # The input gradient needs E again. Rebuilt from w it costs the forward's mask, scales
         # and quantize passes once more (11 ops a slice: on a 512x512 Linear with 64 rows, 0.65
         # ms beside a 0.48 ms matmul); from E's int8 grid values kept here, one cast and one
@@ -222,7 +224,7 @@ class _MaskedQuantLinear(Function):
                 codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         with torch.no_grad():
             y, scales = _product(x, w, mask, channel_wise, int(transposed), reduce=transposed, b=b, codes=codes,
-                                 ws=rt.scratch)
+                                 ws=rt.scratch, qmax=qmax)
         ctx.save_for_backward(x, w, mask, scales, codes)
         ctx.meta = (channel_wise, transposed, b is not None)
         ctx.rt = rt
@@ -257,21 +259,23 @@ class _MaskedQuantLinear(Function):
             gw = lhs.mm(rhs) if out is None else rt.grads.handed(torch.mm(lhs, rhs, out=out))
         if need_b and has_bias:
             gb = g.sum(0)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def _product(lhs: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, axis: int, *,
              reduce: bool, scales: Tensor | None = None, b: Tensor | None = None,
-             codes: Tensor | None = None, ws: Workspace) -> tuple[Tensor, Tensor | None]:
+             codes: Tensor | None = None, ws: Workspace, qmax: int = INT8_WEIGHT.qmax
+             ) -> tuple[Tensor, Tensor | None]:
     """(``lhs @ E`` when ``reduce``, else ``lhs @ E.T``, plus ``b``; the ARQ scales or None) for
     2-D ``lhs``, E's int8 grid values into ``codes`` if given: E's rows a slice at a time for
     few rows of ``lhs``, else E built whole in the shared scratch (``F.linear``, as the
     composed path multiplies)."""
     if lhs.shape[0] <= SLICED_MAX_ROWS:
-        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce, codes=codes, ws=ws)
+        y, scales = _sliced_product(w, mask, channel_wise, axis, lhs, scales, reduce=reduce, codes=codes, ws=ws,
+                                    qmax=qmax)
         return (y if b is None else y.add_(b)), scales
     weff = ws.take_like("weight", w)
-    scales = _effective(w, mask, channel_wise, axis, weff, scales, codes, ws)
+    scales = _effective(w, mask, channel_wise, axis, weff, scales, codes, ws, qmax)
     return torch.nn.functional.linear(lhs, weff.t() if reduce else weff, b), scales
 
 
@@ -293,7 +297,7 @@ def _dequantized_product(lhs: Tensor, codes: Tensor, scales: Tensor, channel_wis
 
 @torch.no_grad()
 def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | None, transposed: bool,
-                rt: LargeRuntime | None = None) -> tuple[Tensor, Tensor | None]:
+                rt: LargeRuntime | None = None, qmax: int = INT8_WEIGHT.qmax) -> tuple[Tensor, Tensor | None]:
     """(the eval forward without its bias, the ARQ scales or None), the effective weight built
     as in a training step: eval otherwise allocated two or three new weight-sized tensors per
     layer, which above glibc's mmap threshold are fresh pages every forward (at 1.1B parameters
@@ -301,7 +305,7 @@ def eval_linear(x: Tensor, w: Tensor, mask: Tensor | None, channel_wise: bool | 
     grid depends on the scales."""
     rt = _fresh_runtime() if rt is None else rt
     y, scales = _product(x.reshape(-1, x.shape[-1]), w.detach(), mask, channel_wise, int(transposed),
-                         reduce=transposed, ws=rt.scratch)
+                         reduce=transposed, ws=rt.scratch, qmax=qmax)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
 
 
@@ -331,8 +335,8 @@ def fused_ok(x: Tensor, w: Tensor) -> bool:
 
 
 def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | None,
-                        channel_wise: bool | None, transposed: bool, rt: LargeRuntime | None = None
-                        ) -> tuple[Tensor, Tensor | None]:
+                        channel_wise: bool | None, transposed: bool, rt: LargeRuntime | None = None,
+                        qmax: int = INT8_WEIGHT.qmax) -> tuple[Tensor, Tensor | None]:
     """(y, ARQ scales or None): ``F.linear(x, q(w * mask), b)`` (``w.t()`` when
     ``transposed``, HF Conv1D's layout) with straight-through gradients for ``w``; ``mask`` is
     packed (``NMSparsifier.mask_bits``) and unpacked a slice of rows at a time. ``rt``: the
@@ -340,7 +344,7 @@ def masked_quant_linear(x: Tensor, w: Tensor, b: Tensor | None, mask: Tensor | N
     # The Function sees 2-D rows: its output is then a tensor of its own, not a view, so model
     # code may modify it in place (HF Wav2Vec2 does); the reshape outside is tracked as usual.
     rt = _fresh_runtime() if rt is None else rt
-    y, scales = _MaskedQuantLinear.apply(x.reshape(-1, x.shape[-1]), w, b, mask, channel_wise, transposed, rt)
+    y, scales = _MaskedQuantLinear.apply(x.reshape(-1, x.shape[-1]), w, b, mask, channel_wise, transposed, rt, qmax)
     return y.reshape(*x.shape[:-1], y.shape[-1]), scales
 
 
@@ -371,11 +375,12 @@ def large_forward(layer, x: Tensor) -> Tensor:
     w, q, rt = layer.weight, layer.wts_quant, layer.large
     mask = None if layer.sparsity is None else layer.sparsity.current_bits(w)
     channel_wise = None if q is None else q.channel_wise
+    qmax = INT8_WEIGHT.qmax if q is None else q.format.qmax
     if layer.training:
-        y, scales = masked_quant_linear(x, w, layer.bias, mask, channel_wise, layer.kind == "linear_t", rt)
+        y, scales = masked_quant_linear(x, w, layer.bias, mask, channel_wise, layer.kind == "linear_t", rt, qmax)
         layer._saw_scales(scales)
         return y
-    y, scales = eval_linear(x, w, mask, channel_wise, layer.kind == "linear_t", rt)
+    y, scales = eval_linear(x, w, mask, channel_wise, layer.kind == "linear_t", rt, qmax)
     b = layer.bias
     if q is not None and b is not None:
         b = layer._bias_on_int32_grid(w, b, scales)

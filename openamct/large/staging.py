@@ -20,9 +20,9 @@ import shutil
 
 import numpy as np
 import onnx
-import torch
 
 from openamct._atomic import atomic_path
+from openamct.export.element_types import STORAGE_ONNX_TYPES
 from openamct.export.ids import SAVE_ID_KEY, hash_model, tensor_bytes
 from openamct.large.deferred import DeferredWeight, WriteScratch, strip_placeholders
 
@@ -153,11 +153,10 @@ def _merged_order(kept: list[str], deferred: dict[str, DeferredWeight], order: l
     return out + pending
 
 
-_ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int8: onnx.TensorProto.INT8}
 
 
 def _header(name: str, d: DeferredWeight) -> onnx.TensorProto:
-    return onnx.TensorProto(name=name, dims=list(d.stored_shape), data_type=_ONNX_TYPES[d.dtype])
+    return onnx.TensorProto(name=name, dims=list(d.stored_shape), data_type=STORAGE_ONNX_TYPES[d.dtype])
 
 
 def _computed(d: DeferredWeight, name: str, h, scratch: WriteScratch) -> np.ndarray:

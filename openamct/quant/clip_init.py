@@ -9,7 +9,7 @@ each side at every batch size: the larger of upstream's share (1e-6 of the value
 min(8, n // 1024) values, and warns when what it ignored lies far outside the rest. Under
 1024 values it ignores up to n // 64 values on each side, and only those far beyond the rest. Then it runs upstream's MSE search from there: it evaluates all
 candidates at once (chunked, exact on the data, not on a histogram), scores them with the real
-INT8 quantizer (offset included) and, unless clip_min is fixed at 0, then searches clip_min the
+ULQ quantizer of the activation format (INT8, offset included) and, unless clip_min is fixed at 0, then searches clip_min the
 same way with the chosen clip_max (one coordinate-descent round). The search runs once per layer
 on at most ``MAX_SEARCH_ELEMS`` evenly strided values of the batch, which bounds its cost; the
 stride is coprime with the last dim, so every channel is in the sample.
@@ -23,7 +23,8 @@ import math
 import torch
 from torch import Tensor
 
-from openamct.quant.functions import LEVELS, QMAX, QMIN, SCALE_EPS
+from openamct.formats import INT8_ACT, QuantFormat
+from openamct.quant.functions import SCALE_EPS
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +110,15 @@ def _small_max_min(flat: Tensor) -> tuple[float, float]:
     return max(hi, 0.0), min(lo, 0.0)
 
 
-def _mse(x: Tensor, cmax: Tensor, cmin: Tensor) -> Tensor:
-    """MSE of the INT8 ULQ quantizer for each (cmax[i], cmin[i]) pair on values x."""
-    scale = ((cmax - cmin) / LEVELS).clamp(min=SCALE_EPS)
-    zp = torch.round(QMIN - cmin / scale).clamp(QMIN, QMAX)
-    # (round(x/s) + z).clamp(QMIN, QMAX) - z is round(x/s) clamped to [QMIN - z, QMAX - z], bit
+def _mse(x: Tensor, cmax: Tensor, cmin: Tensor, fmt: QuantFormat = INT8_ACT) -> Tensor:
+    """MSE of the ULQ quantizer of ``fmt`` for each (cmax[i], cmin[i]) pair on values x."""
+    qmin, qmax = fmt.qmin, fmt.qmax
+    scale = ((cmax - cmin) / fmt.levels).clamp(min=SCALE_EPS)
+    zp = torch.round(qmin - cmin / scale).clamp(qmin, qmax)
+    # (round(x/s) + z).clamp(qmin, qmax) - z is round(x/s) clamped to [qmin - z, qmax - z], bit
     # for bit (integers, exact in float32; a value past the bounds lands on them either way):
     # two broadcast passes instead of three (clamp with tensor bounds is a scalar loop).
-    lo, hi = (QMIN - zp)[:, None], (QMAX - zp)[:, None]
+    lo, hi = (qmin - zp)[:, None], (qmax - zp)[:, None]
     # One chunk buffer for the whole call, rounded in place: two fresh tensors per chunk cost
     # more than the arithmetic (2x on a 65k-value batch).
     out = torch.empty_like(scale)
@@ -150,30 +152,33 @@ def _subsample(x: Tensor) -> Tensor:
     return flat
 
 
-def search_clips(x: Tensor, max_val: float, min_val: float, fixed_min: bool) -> tuple[float, float]:
+def search_clips(x: Tensor, max_val: float, min_val: float, fixed_min: bool,
+                 fmt: QuantFormat = INT8_ACT) -> tuple[float, float]:
     """MSE search of clip_max over [0.7, 1.3] x max_val, then of clip_min likewise (not fixed)."""
     flat = _subsample(x)
     ratios = torch.linspace(*_RATIOS, dtype=torch.float32, device=flat.device)
     min_val = 0.0 if fixed_min else min_val
     cmax_c = ratios * max_val
     cmin_c = torch.full_like(cmax_c, min_val)
-    best_max = float(cmax_c[torch.argmin(_mse(flat, cmax_c, cmin_c))])
+    best_max = float(cmax_c[torch.argmin(_mse(flat, cmax_c, cmin_c, fmt))])
     best_min = min_val
     if not fixed_min and min_val < 0.0:
         cmin_c = ratios * min_val
-        best_min = float(cmin_c[torch.argmin(_mse(flat, torch.full_like(cmin_c, best_max), cmin_c))])
+        best_min = float(cmin_c[torch.argmin(_mse(flat, torch.full_like(cmin_c, best_max), cmin_c, fmt))])
     return best_max, best_min
 
 
-def grid_align(cmax: float, cmin: float) -> tuple[float, float]:
-    """Snap clips to the levels they produce, as upstream stores them: (127-o)s, (-128-o)s."""
-    s = max((cmax - cmin) / LEVELS, SCALE_EPS)
-    o = min(max(round(QMIN - cmin / s), QMIN), QMAX)
-    return (QMAX - o) * s, (QMIN - o) * s
+def grid_align(cmax: float, cmin: float, fmt: QuantFormat = INT8_ACT) -> tuple[float, float]:
+    """Snap clips to the levels they produce, as upstream stores them: (qmax-o)s, (qmin-o)s
+    (INT8: (127-o)s, (-128-o)s)."""
+    qmin, qmax = fmt.qmin, fmt.qmax
+    s = max((cmax - cmin) / fmt.levels, SCALE_EPS)
+    o = min(max(round(qmin - cmin / s), qmin), qmax)
+    return (qmax - o) * s, (qmin - o) * s
 
 
-def init_clips(x: Tensor, fixed_min: bool, running: tuple[float, float] | None = None
-               ) -> tuple[tuple[float, float], tuple[float, float]]:
+def init_clips(x: Tensor, fixed_min: bool, running: tuple[float, float] | None = None,
+               fmt: QuantFormat = INT8_ACT) -> tuple[tuple[float, float], tuple[float, float]]:
     """One initialisation batch: returns ((clip_max, clip_min), (max, min)) where (max, min) are
     the percentile extremes merged with ``running`` (earlier batches) that the search started from."""
     hi, lo = percentile_max_min(x)
@@ -185,5 +190,5 @@ def init_clips(x: Tensor, fixed_min: bool, running: tuple[float, float] | None =
         logger.warning("ActULQ clip init: the batch has no spread (all values %.6g); using clip "
                        "range [%.6g, %.6g]", hi, lo, lo + 1.0)
         return (lo + 1.0, lo), (hi, lo)
-    cmax, cmin = search_clips(x, hi, lo, fixed_min)
-    return grid_align(cmax, cmin), (hi, lo)
+    cmax, cmin = search_clips(x, hi, lo, fixed_min, fmt)
+    return grid_align(cmax, cmin, fmt), (hi, lo)

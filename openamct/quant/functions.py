@@ -1,4 +1,7 @@
-"""INT8 fake-quant autograd Functions (docs/dev/reference.md, Algorithms): ULQ activations, ARQ and ULQ weights.
+"""Fake-quant autograd Functions (docs/dev/reference.md, Algorithms): ULQ activations, ARQ and ULQ weights.
+
+Ranges. Each function takes the integer range from a ``QuantFormat`` (``openamct.formats``) passed
+as an argument: INT8 (the default everywhere) for activations, INT8 or INT4 for weights.
 
 Numerics. Every fake-quant here computes ``q = clamp(round(x * (1/s)) + zp, qmin, qmax)`` and
 ``y = (q - zp) * s`` in float32, which is exactly what torch's built-in
@@ -28,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -37,8 +42,10 @@ __all__ = [
     "arq_weight_fake_quant", "ulq_weight_fake_quant",
 ]
 
-QMIN, QMAX = -128, 127
-LEVELS = QMAX - QMIN  # 255 = 2^b - 1
+# INT8's range, for readers of the INT8 numbers (tests, benchmarks); the code here takes its
+# range from the format it is given.
+QMIN, QMAX = INT8_ACT.qmin, INT8_ACT.qmax
+LEVELS = INT8_ACT.levels  # 255 = 2^b - 1
 SCALE_EPS = float(torch.finfo(torch.float32).eps)  # floor for every scale (all-zero channels)
 
 
@@ -64,11 +71,13 @@ def _inv(s: float) -> float:
 # ---------------------------------------------------------------------------------------------
 # ULQ activation quantization
 
-def ulq_qparams(clip_max: Tensor, clip_min: Tensor, fixed_min) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def ulq_qparams(clip_max: Tensor, clip_min: Tensor, fixed_min,
+                fmt: QuantFormat = INT8_ACT) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(scale, zero_point, cmax_used, cmin_used) as detached float32 0-dim tensors.
 
     cmax >= 0 >= cmin is enforced on the values used (the parameters keep their own values);
-    ``fixed_min`` (bool or bool tensor) pins cmin at 0. zero_point = round(-128 - cmin/s).
+    ``fixed_min`` (bool or bool tensor) pins cmin at 0. zero_point = round(qmin - cmin/s)
+    (INT8: -128).
     Used where no Python scalars may be taken (graph capture); ``ulq_qparams_float`` is the same
     arithmetic on Python floats for eager code (tests check they agree bit for bit).
     """
@@ -78,19 +87,19 @@ def ulq_qparams(clip_max: Tensor, clip_min: Tensor, fixed_min) -> tuple[Tensor, 
         cmin = torch.where(fixed_min.to(cmin.device), torch.zeros_like(cmin), cmin)
     elif fixed_min:
         cmin = torch.zeros_like(cmin)
-    scale = ((cmax - cmin) / LEVELS).clamp(min=SCALE_EPS)
-    zp = torch.round(QMIN - cmin / scale).clamp(QMIN, QMAX)
+    scale = ((cmax - cmin) / fmt.levels).clamp(min=SCALE_EPS)
+    zp = torch.round(fmt.qmin - cmin / scale).clamp(fmt.qmin, fmt.qmax)
     return scale, zp, cmax, cmin
 
 
-def ulq_qparams_float(clip_max: float, clip_min: float, fixed_min: bool
+def ulq_qparams_float(clip_max: float, clip_min: float, fixed_min: bool, fmt: QuantFormat = INT8_ACT
                       ) -> tuple[float, int, float, float]:
     """``ulq_qparams`` in float32 scalar arithmetic: (scale, zero_point, cmax_used, cmin_used)."""
     f = np.float32
     cmax = max(f(clip_max), f(0.0))
     cmin = f(0.0) if fixed_min else min(f(clip_min), f(0.0))
-    scale = max((cmax - cmin) / f(LEVELS), f(SCALE_EPS))
-    zp = min(max(np.round(f(QMIN) - cmin / scale), f(QMIN)), f(QMAX))
+    scale = max((cmax - cmin) / f(fmt.levels), f(SCALE_EPS))
+    zp = min(max(np.round(f(fmt.qmin) - cmin / scale), f(fmt.qmin)), f(fmt.qmax))
     return float(scale), int(zp), float(cmax), float(cmin)
 
 
@@ -135,8 +144,8 @@ class ULQActFunction(Function):
     """ULQ fake-quant with learnable clips; forward = built-in formula, backward = upstream's
     (docs/dev/reference.md, Algorithms).
 
-    ``apply(x, clip_max, clip_min, fixed_min, qparams)`` with ``qparams = ulq_qparams(...)`` of
-    the same clips (0-dim float32 tensors; ``ulq_qparams_float``'s numbers are accepted too).
+    ``apply(x, clip_max, clip_min, fixed_min, qparams, fmt)`` with ``qparams = ulq_qparams(...)`` of
+    the same clips and format (0-dim float32 tensors; ``ulq_qparams_float``'s numbers are accepted too).
     Nothing is read back to the host, so a training step on an accelerator never waits here.
     In range means y_min <= x <= y_max (the outermost representable levels, as upstream). dx = g
     in range, 0 outside. With e = (round(r) - r)/255 and r = clip(x)/s:
@@ -145,22 +154,24 @@ class ULQActFunction(Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min: bool, qparams) -> Tensor:
+    def forward(ctx, x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min: bool, qparams,
+                fmt: QuantFormat = INT8_ACT) -> Tensor:
         qp = _tensor_qparams(qparams, x)
-        y = fake_quant_per_tensor(x, qp[0], qp[1])
+        y = fake_quant_per_tensor(x, qp[0], qp[1], fmt.qmin, fmt.qmax)
         # Only x is kept: y is recomputed in backward, so code after the quantizer may modify its
         # output in place (HF ResNet's ``hidden_state += residual`` on a quantized conv output).
         ctx.save_for_backward(x, *qp)
-        ctx.consts = (bool(fixed_min), clip_max.dtype)
+        ctx.consts = (bool(fixed_min), clip_max.dtype, fmt)
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
         x, s, zp, cmax, cmin = ctx.saved_tensors
-        fixed_min, pdtype = ctx.consts
+        fixed_min, pdtype, fmt = ctx.consts
+        levels = fmt.levels
         with _no_autocast(x):
             g = g.to(x.dtype)
-            y_lo, y_hi = (QMIN - zp) * s, (QMAX - zp) * s  # float32, as the scalar code rounded them
+            y_lo, y_hi = (fmt.qmin - zp) * s, (fmt.qmax - zp) * s  # float32, as the scalar code rounded them
             # sat: +1 above y_hi, -1 below y_lo, 0 in range (read from the clamp, so every pass
             # takes the bounds as tensors and none is a masked select).
             x_c = torch.clamp(x, y_lo, y_hi)
@@ -172,21 +183,22 @@ class ULQActFunction(Function):
                 # y - x in range (y = fake_quant(x_c), the same values there); 0 outside, where
                 # x_c sits on the outermost level, so g needs no mask in this dot.
                 y = torch.mul(x_c, torch.reciprocal(s)).round_().mul_(s)
-                s_in = torch.dot(y.sub_(x_c).reshape(-1), g.reshape(-1)) / (LEVELS * s)
+                s_in = torch.dot(y.sub_(x_c).reshape(-1), g.reshape(-1)) / (levels * s)
                 g_diff = torch.dot(g.reshape(-1), sat.reshape(-1))  # g_up - g_lo
                 g_sum = torch.dot(g.reshape(-1), mag.reshape(-1))  # g_up + g_lo
                 g_up, g_lo = (g_sum + g_diff) / 2, (g_sum - g_diff) / 2
-                e_up = (torch.round(cmax / s) - cmax / s) / LEVELS
+                e_up = (torch.round(cmax / s) - cmax / s) / levels
                 grad_max = s_in + (1.0 + e_up) * g_up
                 if not fixed_min:  # fixed_min pins cmin at 0: e_lo = 0 and no clip_min gradient
-                    e_lo = (torch.round(cmin / s) - cmin / s) / LEVELS
+                    e_lo = (torch.round(cmin / s) - cmin / s) / levels
                     grad_max = grad_max + e_lo * g_lo
                     grad_min = (-s_in - e_up * g_up + (1.0 - e_lo) * g_lo).to(pdtype)
                 grad_max = grad_max.to(pdtype)
-        return (gx if ctx.needs_input_grad[0] else None), grad_max, grad_min, None, None
+        return (gx if ctx.needs_input_grad[0] else None), grad_max, grad_min, None, None, None
 
 
-def ulq_act_fake_quant(x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min) -> Tensor:
+def ulq_act_fake_quant(x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min,
+                       fmt: QuantFormat = INT8_ACT) -> Tensor:
     """Dispatch: built-in op with tensor qparams while exporting, the autograd Function when a
     gradient is needed, the plain (composite or built-in) op otherwise. ``fixed_min``: a bool
     (``ActULQ`` passes its host copy; a tensor is read). No host read of the clips: the qparams
@@ -196,20 +208,20 @@ def ulq_act_fake_quant(x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min)
     (fp16 sums of a large activation overflow, and the grid needs float32 scales); the output
     is float32 under autocast (the next op casts it as autocast decides), else ``x``'s dtype."""
     if graph_mode():
-        scale, zp, _, _ = ulq_qparams(clip_max, clip_min, fixed_min)
+        scale, zp, _, _ = ulq_qparams(clip_max, clip_min, fixed_min, fmt)
         return torch.fake_quantize_per_tensor_affine(
-            x, scale.to(x.device), zp.to(device=x.device, dtype=torch.int32), QMIN, QMAX)
+            x, scale.to(x.device), zp.to(device=x.device, dtype=torch.int32), fmt.qmin, fmt.qmax)
     fixed = bool(fixed_min)
     if x.is_floating_point() and x.dtype != torch.float32:
         amp = _autocast_on(x)
         with _no_autocast(x):
-            y = ulq_act_fake_quant(x.float(), clip_max, clip_min, fixed)
+            y = ulq_act_fake_quant(x.float(), clip_max, clip_min, fixed, fmt)
         return y if amp else y.to(x.dtype)
-    qp = ulq_qparams(clip_max, clip_min, fixed)
+    qp = ulq_qparams(clip_max, clip_min, fixed, fmt)
     if torch.is_grad_enabled() and (x.requires_grad or clip_max.requires_grad
                                     or (clip_min.requires_grad and not fixed)):
-        return ULQActFunction.apply(x, clip_max, clip_min, fixed, qp)
-    return fake_quant_per_tensor(x, qp[0], qp[1])
+        return ULQActFunction.apply(x, clip_max, clip_min, fixed, qp, fmt)
+    return fake_quant_per_tensor(x, qp[0], qp[1], fmt.qmin, fmt.qmax)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,9 +253,10 @@ def _absmax_per_channel(w2: Tensor, ch: int) -> Tensor:
     return torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())
 
 
-def arq_scales(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1) -> Tensor:
-    """ARQ scale(s), detached: max(|max|, |min|)/127 per output channel (Cout order) or a
-    1-element tensor; floored at SCALE_EPS so all-zero channels stay finite."""
+def arq_scales(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1,
+               fmt: QuantFormat = INT8_WEIGHT) -> Tensor:
+    """ARQ scale(s), detached: max(|max|, |min|)/qmax (INT8: 127) per output channel (Cout
+    order) or a 1-element tensor; floored at SCALE_EPS so all-zero channels stay finite."""
     with torch.no_grad():
         wd = w.detach()
         if channel_wise:
@@ -251,7 +264,7 @@ def arq_scales(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1) ->
             amax = _absmax_per_channel(w2, ch)
         else:
             amax = torch.maximum(wd.amax(), wd.amin().neg()).reshape(1)
-        return (amax.float() / QMAX).clamp_(min=SCALE_EPS)
+        return (amax.float() / fmt.qmax).clamp_(min=SCALE_EPS)
 
 
 def _bshape(ndim: int, ch: int) -> list[int]:
@@ -261,11 +274,12 @@ def _bshape(ndim: int, ch: int) -> list[int]:
 
 
 def fake_quant_per_channel(w: Tensor, scale: Tensor, axis: int = 0, groups: int = 1,
-                           clamp: bool = True, per_tensor: bool | None = None) -> Tensor:
-    """Symmetric (zero point 0) fake quant, range (-128, 127); ``scale`` detached, Cout order or
-    1 element (``per_tensor``; inferred from its size when None, which graph capture warns about).
-    Bit-identical to the built-in per-channel/per-tensor ops. ``clamp=False`` skips a pass when
-    no value can leave the range (ARQ: |w/s| <= 127)."""
+                           clamp: bool = True, per_tensor: bool | None = None,
+                           fmt: QuantFormat = INT8_WEIGHT) -> Tensor:
+    """Symmetric (zero point 0) fake quant, range (qmin, qmax) of ``fmt`` (INT8: -128, 127);
+    ``scale`` detached, Cout order or 1 element (``per_tensor``; inferred from its size when None,
+    which graph capture warns about). Bit-identical to the built-in per-channel/per-tensor ops.
+    ``clamp=False`` skips a pass when no value can leave the range (ARQ: |w/s| <= qmax)."""
     scale = scale.detach()
     if per_tensor is None:
         per_tensor = scale.numel() == 1
@@ -273,22 +287,22 @@ def fake_quant_per_channel(w: Tensor, scale: Tensor, axis: int = 0, groups: int 
         if per_tensor:
             return torch.fake_quantize_per_tensor_affine(
                 w, scale.reshape(()).float(), torch.zeros((), dtype=torch.int32, device=w.device),
-                QMIN, QMAX)
+                fmt.qmin, fmt.qmax)
         w2, ch = to_channel_major(w, axis, groups)
         zp = torch.zeros(scale.numel(), dtype=torch.int32, device=w.device)
-        y2 = torch.fake_quantize_per_channel_affine(w2, scale.float(), zp, ch, QMIN, QMAX)
+        y2 = torch.fake_quantize_per_channel_affine(w2, scale.float(), zp, ch, fmt.qmin, fmt.qmax)
         return from_channel_major(y2, w.shape, axis, groups)
     if per_tensor:
         sf = scale.reshape(()).float()
         if clamp:
-            return fake_quant_per_tensor(w, sf, torch.zeros((), device=w.device))
+            return fake_quant_per_tensor(w, sf, torch.zeros((), device=w.device), fmt.qmin, fmt.qmax)
         return torch.mul(w, torch.reciprocal(sf)).round_().mul_(sf)
     w2, ch = to_channel_major(w, axis, groups)
     s = scale.reshape(_bshape(w2.dim(), ch))
     y = torch.mul(w2, s.reciprocal())
     y.round_()
     if clamp:
-        y.clamp_(QMIN, QMAX)
+        y.clamp_(fmt.qmin, fmt.qmax)
     y.mul_(s)
     return from_channel_major(y, w.shape, axis, groups)
 
@@ -297,61 +311,64 @@ class ARQWeightFunction(Function):
     """ARQ: scale recomputed from w each call; backward is the identity (nothing is clipped)."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, channel_wise: bool, axis: int, groups: int, scales: Tensor) -> Tensor:
-        return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise)
+    def forward(ctx, w: Tensor, channel_wise: bool, axis: int, groups: int, scales: Tensor,
+                fmt: QuantFormat = INT8_WEIGHT) -> Tensor:
+        return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise, fmt=fmt)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return g, None, None, None, None
+        return g, None, None, None, None, None
 
 
 def arq_weight_fake_quant(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1,
-                          scales: Tensor | None = None) -> Tensor:
-    """``scales``: ``arq_scales`` of this ``w`` when the caller already has them."""
+                          scales: Tensor | None = None, fmt: QuantFormat = INT8_WEIGHT) -> Tensor:
+    """``scales``: ``arq_scales`` of this ``w`` (and ``fmt``) when the caller already has them."""
     if scales is None:
-        scales = arq_scales(w, channel_wise, axis, groups)
+        scales = arq_scales(w, channel_wise, axis, groups, fmt)
     if graph_mode() or not (torch.is_grad_enabled() and w.requires_grad):
-        return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise)
-    return ARQWeightFunction.apply(w, channel_wise, axis, groups, scales)
+        return fake_quant_per_channel(w, scales, axis, groups, clamp=False, per_tensor=not channel_wise, fmt=fmt)
+    return ARQWeightFunction.apply(w, channel_wise, axis, groups, scales, fmt)
 
 
 class ULQWeightFunction(Function):
     """ULQ weights: learnable scale, STE (identity) for w as upstream, LSQ gradient for the scale:
-    ds = sum(g * c) / sqrt(n * 127) per channel, c = round(w/s) - w/s in range, -128 / 127 when
-    clipped below / above (n = elements per scale)."""
+    ds = sum(g * c) / sqrt(n * qmax) per channel, c = round(w/s) - w/s in range, qmin / qmax when
+    clipped below / above (n = elements per scale; INT8: qmin -128, qmax 127)."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, scale: Tensor, axis: int, groups: int, per_tensor: bool) -> Tensor:
+    def forward(ctx, w: Tensor, scale: Tensor, axis: int, groups: int, per_tensor: bool,
+                fmt: QuantFormat = INT8_WEIGHT) -> Tensor:
         s = scale.detach().float().clamp(min=SCALE_EPS)
         ctx.save_for_backward(w, s)
-        ctx.layout = (axis, groups, per_tensor)
-        return fake_quant_per_channel(w, s, axis, groups, clamp=True, per_tensor=per_tensor)
+        ctx.layout = (axis, groups, per_tensor, fmt)
+        return fake_quant_per_channel(w, s, axis, groups, clamp=True, per_tensor=per_tensor, fmt=fmt)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         w, s = ctx.saved_tensors
-        axis, groups, per_tensor = ctx.layout
+        axis, groups, per_tensor, fmt = ctx.layout
+        qmin, qmax = fmt.qmin, fmt.qmax
         grad_s = None
         if ctx.needs_input_grad[1]:
             w2, ch = (w, 0) if per_tensor else to_channel_major(w, axis, groups)
             g2 = g if per_tensor else to_channel_major(g, axis, groups)[0]
             sb = s.reshape(()) if per_tensor else s.reshape(_bshape(w2.dim(), ch))
             r = w2.float() / sb
-            q = torch.round(r).clamp_(QMIN, QMAX)
-            coef = torch.where((r >= QMIN) & (r <= QMAX), q - r, q)
+            q = torch.round(r).clamp_(qmin, qmax)
+            coef = torch.where((r >= qmin) & (r <= qmax), q - r, q)
             prod = coef.mul_(g2.float())
             n = w.numel() // s.numel()
             if per_tensor:
                 grad_s = prod.sum().reshape(1)
             else:
                 grad_s = prod.transpose(0, ch).reshape(s.numel(), -1).sum(dim=1)
-            grad_s = grad_s / math.sqrt(n * QMAX)
-        return g, grad_s, None, None, None
+            grad_s = grad_s / math.sqrt(n * qmax)
+        return g, grad_s, None, None, None, None
 
 
 def ulq_weight_fake_quant(w: Tensor, scale: Tensor, axis: int = 0, groups: int = 1,
-                          channel_wise: bool = True) -> Tensor:
+                          channel_wise: bool = True, fmt: QuantFormat = INT8_WEIGHT) -> Tensor:
     if graph_mode() or not (torch.is_grad_enabled() and (w.requires_grad or scale.requires_grad)):
         return fake_quant_per_channel(w, scale.detach().float().clamp(min=SCALE_EPS), axis, groups,
-                                      per_tensor=not channel_wise)
-    return ULQWeightFunction.apply(w, scale, axis, groups, not channel_wise)
+                                      per_tensor=not channel_wise, fmt=fmt)
+    return ULQWeightFunction.apply(w, scale, axis, groups, not channel_wise, fmt)

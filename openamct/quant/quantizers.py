@@ -1,8 +1,12 @@
 """Quantizer modules. All their runtime state lives in parameters/buffers (SPEC house rules).
 
-- ``ActULQ``: INT8 activation fake quant with learnable clip_max/clip_min (ULQ), initialised from
+- ``ActULQ``: activation fake quant (INT8) with learnable clip_max/clip_min (ULQ), initialised from
   the first ``batch_num`` batches it sees (any mode) unless clips were given.
-- ``WeightARQ`` / ``WeightULQ``: symmetric INT8 weight fake quant, per output channel or per tensor.
+- ``WeightARQ`` / ``WeightULQ``: symmetric weight fake quant (INT8, or INT4 weight-only), per
+  output channel or per tensor.
+
+Each takes its number format (``openamct.formats.QuantFormat``) at construction and its integer
+range from it; ``format`` says which (the record writes its name, the export maps it).
 - ``RangeObserver``: running min/max of a tensor (training mode only) for the deploy export.
 """
 
@@ -16,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from openamct._checks import all_finite
+from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
 from openamct.quant.clip_init import init_clips
 from openamct.quant.functions import (
     SCALE_EPS,
@@ -65,6 +70,15 @@ def set_host_flag(module: nn.Module, name: str, value: bool) -> bool:
     return value
 
 
+def _check_format(fmt, symmetric: bool) -> QuantFormat:
+    if not isinstance(fmt, QuantFormat):
+        raise TypeError(f"fmt: expected a QuantFormat, got {type(fmt).__name__}")
+    if fmt.symmetric != symmetric:
+        raise ValueError(f"fmt: {fmt.name} is {'' if fmt.symmetric else 'a'}symmetric; this quantizer needs "
+                         f"{'a symmetric' if symmetric else 'an asymmetric'} format")
+    return fmt
+
+
 def _dist_world() -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -73,13 +87,14 @@ def _dist_world() -> int:
 
 
 class ActULQ(nn.Module):
-    """INT8 ULQ activation quantizer (docs/dev/reference.md, Algorithms). One instance may be shared by several layers
+    """ULQ activation quantizer (asymmetric, per tensor; ``fmt``: INT8) (docs/dev/reference.md, Algorithms). One instance may be shared by several layers
     reading the same tensor; a repeated call on the very same tensor object does not count as
     another initialisation batch."""
 
     def __init__(self, clip_max: float | None = None, clip_min: float | None = None,
-                 fixed_min: bool = False, batch_num: int = 1) -> None:
+                 fixed_min: bool = False, batch_num: int = 1, fmt: QuantFormat = INT8_ACT) -> None:
         super().__init__()
+        self.format = _check_format(fmt, symmetric=False)
         if (clip_max is None) != (clip_min is None):
             raise ValueError("clip_max/clip_min: give both or neither")
         if not isinstance(fixed_min, bool):
@@ -117,7 +132,7 @@ class ActULQ(nn.Module):
             self._init_step(x)
         fixed = self.fixed_min if exporting else host_flag(self, "fixed_min")
         if exporting or x.is_inference():  # an inference tensor has no version to prove it unchanged
-            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed)
+            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
         # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
         # first call's output serves the others, so the fake quant and its backward run once
         # per tensor, not once per reader (each costs a dozen ops on the activation).
@@ -129,7 +144,7 @@ class ActULQ(nn.Module):
             y = last[2]()
             if y is not None:
                 return y
-        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed)
+        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
         self._last = (weakref.ref(x), key, weakref.ref(y))
         return y
 
@@ -150,7 +165,7 @@ class ActULQ(nn.Module):
         fixed = host_flag(self, "fixed_min")
         n = int(self.init_batches)
         running = (float(self.init_range[0]), float(self.init_range[1])) if n else None
-        (cmax, cmin), (hi, lo) = init_clips(x, fixed, running)
+        (cmax, cmin), (hi, lo) = init_clips(x, fixed, running, self.format)
         world = _dist_world()
         if world > 1:
             # Every rank must end with the same clips: average the searched clips, merge ranges.
@@ -178,23 +193,25 @@ class ActULQ(nn.Module):
                          n, mean[0], mean[1])
 
     def scale_offset(self) -> tuple[float, int]:
-        """INT8 (scale, offset) of the current clips, exactly as the forward uses them."""
+        """(scale, offset) of the current clips in ``format``, exactly as the forward uses them."""
         s, zp, _, _ = ulq_qparams_float(self.clip_max.item(), self.clip_min.item(),
-                                        bool(self.fixed_min))
+                                        bool(self.fixed_min), self.format)
         return s, zp
 
     def extra_repr(self) -> str:
-        return (f"clip_max={self.clip_max.item():.6g}, clip_min={self.clip_min.item():.6g}, "
+        return (f"{self.format.name}, clip_max={self.clip_max.item():.6g}, clip_min={self.clip_min.item():.6g}, "
                 f"fixed_min={bool(self.fixed_min)}, batch_num={self.batch_num}, "
                 f"initialized={bool(self.initialized)}")
 
 
 class _WeightQuant(nn.Module):
-    def __init__(self, channel_wise: bool, axis: int, groups: int) -> None:
+    def __init__(self, channel_wise: bool, axis: int, groups: int, fmt: QuantFormat) -> None:
         super().__init__()
         if not isinstance(channel_wise, bool):
             raise TypeError(f"channel_wise: expected a bool, got {type(channel_wise).__name__}")
         self.channel_wise = channel_wise
+        # The granularity is the quantizer's own (``channel_wise``): the format says the rest.
+        self.format = _check_format(fmt, symmetric=True).granular(channel_wise)
         self.bind(axis, groups)
 
     def bind(self, axis: int, groups: int = 1) -> None:
@@ -211,15 +228,22 @@ class _WeightQuant(nn.Module):
         """q(w * c) == c * q(w) for any per-output-channel c: lets BN folding skip the multiply."""
         return False
 
+    @property
+    def scales_from_weight(self) -> bool:
+        """The scales are max|w|/qmax of the weight alone (nothing learned, nothing clipped):
+        a writer may compute the effective weight itself (``large.fused_linear``)."""
+        return False
+
     def extra_repr(self) -> str:
-        return f"channel_wise={self.channel_wise}, axis={self.axis}, groups={self.groups}"
+        return f"{self.format.name}, channel_wise={self.channel_wise}, axis={self.axis}, groups={self.groups}"
 
 
 class WeightARQ(_WeightQuant):
-    """ARQ: s = max|w|/127 per output channel (or tensor), recomputed every call; STE backward."""
+    """ARQ: s = max|w|/qmax per output channel (or tensor), recomputed every call; STE backward."""
 
-    def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1) -> None:
-        super().__init__(channel_wise, axis, groups)
+    def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1,
+                 fmt: QuantFormat = INT8_WEIGHT) -> None:
+        super().__init__(channel_wise, axis, groups, fmt)
         self.last_scales: Tensor | None = None
 
     @property
@@ -228,14 +252,19 @@ class WeightARQ(_WeightQuant):
         # in real arithmetic, so the folded BN scale can stay out of the training path.
         return self.channel_wise
 
+    @property
+    def scales_from_weight(self) -> bool:
+        return True
+
     def forward(self, w: Tensor) -> Tensor:
         # Kept for the record (CompressedLayer.weight_scales), which then need not recompute
         # them; none while tracing, where the scales are part of the graph.
-        self.last_scales = None if graph_mode() else arq_scales(w, self.channel_wise, self.axis, self.groups)
-        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups, self.last_scales)
+        fmt = self.format
+        self.last_scales = None if graph_mode() else arq_scales(w, self.channel_wise, self.axis, self.groups, fmt)
+        return arq_weight_fake_quant(w, self.channel_wise, self.axis, self.groups, self.last_scales, fmt)
 
     def scales(self, w: Tensor) -> Tensor:
-        return arq_scales(w, self.channel_wise, self.axis, self.groups)
+        return arq_scales(w, self.channel_wise, self.axis, self.groups, self.format)
 
 
 class WeightULQ(_WeightQuant):
@@ -243,15 +272,16 @@ class WeightULQ(_WeightQuant):
     first weight it sees (``CompressedLayer.wrap`` does that at wrap time so the parameter has
     its final shape before any optimizer or ``load_state_dict`` sees it)."""
 
-    def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1) -> None:
-        super().__init__(channel_wise, axis, groups)
+    def __init__(self, channel_wise: bool = True, axis: int = 0, groups: int = 1,
+                 fmt: QuantFormat = INT8_WEIGHT) -> None:
+        super().__init__(channel_wise, axis, groups, fmt)
         self.scale = nn.Parameter(torch.ones(1))
         self.register_buffer("initialized", torch.tensor(False))
         set_host_flag(self, "initialized", False)
 
     @torch.no_grad()
     def init_from(self, w: Tensor) -> None:
-        s = arq_scales(w, self.channel_wise, self.axis, self.groups).to(self.scale.dtype)
+        s = arq_scales(w, self.channel_wise, self.axis, self.groups, self.format).to(self.scale.dtype)
         if self.scale.shape != s.shape:
             self.scale.data = s.clone()
         else:
@@ -267,7 +297,7 @@ class WeightULQ(_WeightQuant):
     def forward(self, w: Tensor) -> Tensor:
         if not graph_mode() and not self.is_initialized:
             self.init_from(w)
-        return ulq_weight_fake_quant(w, self.scale, self.axis, self.groups, self.channel_wise)
+        return ulq_weight_fake_quant(w, self.scale, self.axis, self.groups, self.channel_wise, self.format)
 
     def scales(self, w: Tensor | None = None) -> Tensor:
         return self.scale.detach().float().clamp(min=SCALE_EPS).clone()
@@ -276,8 +306,9 @@ class WeightULQ(_WeightQuant):
 class RangeObserver(nn.Module):
     """Exponential moving min/max (first update copies), updated in training mode only."""
 
-    def __init__(self, momentum: float = 0.1) -> None:
+    def __init__(self, momentum: float = 0.1, fmt: QuantFormat = INT8_ACT) -> None:
         super().__init__()
+        self.format = _check_format(fmt, symmetric=False)
         if not 0.0 < float(momentum) <= 1.0:
             raise ValueError(f"momentum: must be in (0, 1], got {momentum}")
         self.momentum = float(momentum)
@@ -297,8 +328,8 @@ class RangeObserver(nn.Module):
         return x
 
     def scale_offset(self) -> tuple[float, int]:
-        """INT8 asymmetric (scale, offset) over [min(min, 0), max(max, 0)], ULQ convention."""
-        s, zp, _, _ = ulq_qparams_float(self.max_val.item(), self.min_val.item(), False)
+        """Asymmetric (scale, offset) in ``format`` over [min(min, 0), max(max, 0)], ULQ convention."""
+        s, zp, _, _ = ulq_qparams_float(self.max_val.item(), self.min_val.item(), False, self.format)
         return s, zp
 
     def extra_repr(self) -> str:

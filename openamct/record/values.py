@@ -1,7 +1,9 @@
 """Range checks on what a record file holds, done where it is read.
 
 Each failure is a ValueError naming the record file, the entry, the layer and the field:
-scales must be finite and > 0, offsets INT8 (weights: 0, the weight quantizer is symmetric),
+scales must be finite and > 0, ``act_type`` / ``wts_type`` formats openamct quantizes with
+(``openamct.formats``), offsets in the range of the activation format (weights: 0, the weight
+formats are symmetric),
 a layer has one quantization entry and one 2:4 mask, and a layer produces in one filter-prune
 group. (Channel indices are checked against the model when the groups are replayed.)
 """
@@ -10,9 +12,8 @@ from __future__ import annotations
 
 import math
 
+from openamct.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
-
-INT8 = (-128, 127)
 
 
 def _scale_ok(v: float) -> bool:
@@ -29,10 +30,15 @@ def check_record_values(record: ScaleOffsetRecord, where: str) -> None:
             raise ValueError(f"{at} repeats the layer of record[{keys[entry.key]}]: one entry per layer")
         keys[entry.key] = i
         v = entry.value
+        for field, table in (("act_type", ACTIVATION_FORMATS), ("wts_type", WEIGHT_FORMATS)):
+            if getattr(v, field) not in table:
+                raise ValueError(f"{at}: {field} is {getattr(v, field)!r}; openamct quantizes "
+                                 f"{'activations' if field == 'act_type' else 'weights'} as {', '.join(table)}")
+        act = ACTIVATION_FORMATS[v.act_type]
         if v.HasField("scale_d") and not _scale_ok(v.scale_d):
             raise ValueError(f"{at}: scale_d is {v.scale_d!r}; it must be a finite number > 0")
-        if v.HasField("offset_d") and not INT8[0] <= v.offset_d <= INT8[1]:
-            raise ValueError(f"{at}: offset_d is {v.offset_d}; it must be an INT8 value in -128..127")
+        if v.HasField("offset_d") and not act.qmin <= v.offset_d <= act.qmax:
+            raise ValueError(f"{at}: offset_d is {v.offset_d}; it must be an {act.name} value in {act.qmin}..{act.qmax}")
         for j, s in enumerate(v.scale_w):
             if not _scale_ok(s):
                 raise ValueError(f"{at}: scale_w[{j}] is {s!r}; it must be a finite number > 0")

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from openamct.compressed.parts import LayerParts
 from openamct.config.rules import Family
 from openamct.config.specs import LayerPlan, Plan
+from openamct.formats import QuantFormat
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
 from openamct.layer_types import ALL_TYPES
@@ -69,8 +70,9 @@ class ExportParts:
     """One layer's numbers for the export writers; techniques fill the fields they own."""
 
     input_quant: tuple[float, int] | None = None  # (scale, int8 offset) of the input quantizer
-    weight_scales: Tensor | None = None  # INT8 weight scales, Cout order (or 1 per tensor)
+    weight_scales: Tensor | None = None  # weight scales, Cout order (or 1 per tensor)
     weight_per_channel: bool = False
+    weight_format: QuantFormat | None = None  # the weight quantizer's format (INT8 when None)
     output_range: tuple[float, float] | None = None  # trained (min, max) of the output
     output_quant: tuple[float, int] | None = None  # (scale, int8 offset) of an output quantizer
 

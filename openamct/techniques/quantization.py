@@ -1,6 +1,10 @@
-"""INT8 quantization-aware training as a technique: an input-activation quantizer (ULQ) and a
+"""Quantization-aware training as a technique: an input-activation quantizer (ULQ) and a
 weight quantizer (ARQ or ULQ) per planned layer, a foldable BatchNorm folded in, and an
 output range observer for the deploy model.
+
+Formats (``openamct.formats``): the config's ``dst_type`` names them. Activations are INT8;
+weights INT8 (the default) or INT4 (weight-only fake quant). The record names a weight format
+other than INT8 in ``wts_type`` (INT8 is the proto default and is never written).
 
 Create and restore make the same structure from the plan and the graph: the numbers (clips)
 come from the first batches (create) or the checkpoint (restore), never from the record,
@@ -20,6 +24,7 @@ from openamct.config.errors import ConfigError, locate
 from openamct.config.retrain_config_pb2 import DataType
 from openamct.config.rules import QUANT, f32, winning_block
 from openamct.config.specs import ActSpec, QuantSpec, WtsSpec
+from openamct.formats import ACTIVATION_FORMATS, DEFAULT, WEIGHT_FORMATS
 from openamct.layer_types import ALL_TYPES
 from openamct.module_tree import set_module
 from openamct.quant.quantizers import ActULQ, WeightARQ, WeightULQ
@@ -29,12 +34,16 @@ from openamct.techniques.base import Context, ExportParts, Technique
 _DTYPE = {v: k for k, v in DataType.items()}
 
 
-def _check_dtype(value: int, field: str, where: str, text: str, src: str) -> None:
+def _check_dtype(value: int, field: str, where: str, text: str, src: str, weights: bool) -> None:
     name = _DTYPE.get(value, str(value))
-    if name == "INT4":
-        raise ConfigError(f"{src}: {locate(text, 'dst_type', 'INT4')}{where}.{field}: INT4 quantization-aware training is not supported; use INT8")
-    if name != "INT8":
-        raise ConfigError(f"{src}: {locate(text, 'dst_type', name)}{where}.{field}: only INT8 is supported, got {name}")
+    allowed = WEIGHT_FORMATS if weights else ACTIVATION_FORMATS
+    if name in allowed:
+        return
+    at = f"{src}: {locate(text, 'dst_type', name)}{where}.{field}: "
+    if name in WEIGHT_FORMATS:
+        raise ConfigError(f"{at}{name} is for weights only (retrain_weight_quant_config); "
+                          f"activations are quantized as {', '.join(ACTIVATION_FORMATS)}")
+    raise ConfigError(f"{at}{name} is not supported; use one of {', '.join(allowed)}")
 
 
 def read_spec(block, layer_type: str) -> QuantSpec | None:
@@ -48,13 +57,15 @@ def read_spec(block, layer_type: str) -> QuantSpec | None:
         u = block.retrain_data_quant_config.ulq_quantize
         clips = (f32(u.clip_max_min.clip_max), f32(u.clip_max_min.clip_min)) if u.HasField("clip_max_min") else (None, None)
         act = ActSpec(clip_max=clips[0], clip_min=clips[1],
-                      fixed_min=u.fixed_min if u.HasField("fixed_min") else None)
+                      fixed_min=u.fixed_min if u.HasField("fixed_min") else None,
+                      dst_type=_DTYPE.get(u.dst_type, DEFAULT))
     wts = WtsSpec(channel_wise=layer_type != "Linear")
     if has_w:
         algo = block.retrain_weight_quant_config.WhichOneof("wts_algo") or "arq_retrain"
         w = getattr(block.retrain_weight_quant_config, algo)
         cw = w.channel_wise if w.HasField("channel_wise") else layer_type != "Linear"
-        wts = WtsSpec(algo="ulq" if algo == "ulq_retrain" else "arq", channel_wise=cw)
+        wts = WtsSpec(algo="ulq" if algo == "ulq_retrain" else "arq", channel_wise=cw,
+                      dst_type=_DTYPE.get(w.dst_type, DEFAULT))
     return QuantSpec(act, wts)
 
 
@@ -74,14 +85,15 @@ class QuantState:
 
 def make_act_quantizer(spec: ActSpec, fixed_min: bool, batch_num: int) -> ActULQ:
     if spec.clip_max is None:
-        return ActULQ(fixed_min=fixed_min, batch_num=batch_num)
-    return ActULQ(clip_max=spec.clip_max, clip_min=spec.clip_min, fixed_min=fixed_min, batch_num=batch_num)
+        return ActULQ(fixed_min=fixed_min, batch_num=batch_num, fmt=spec.format)
+    return ActULQ(clip_max=spec.clip_max, clip_min=spec.clip_min, fixed_min=fixed_min, batch_num=batch_num,
+                  fmt=spec.format)
 
 
 def make_weight_quantizer(spec: WtsSpec) -> nn.Module:
     # The layout (axis, groups) is bound by CompressedLayer, which knows the weight shape.
     cls = WeightULQ if spec.algo == "ulq" else WeightARQ
-    return cls(channel_wise=spec.channel_wise)
+    return cls(channel_wise=spec.channel_wise, fmt=spec.format)
 
 
 def _foldable(layer: nn.Module, bn: nn.Module) -> bool:
@@ -99,6 +111,12 @@ def _entry(layer: nn.Module) -> SingleLayerRecord | None:
     entry = SingleLayerRecord(scale_d=scale_d, offset_d=offset_d)
     entry.scale_w.extend(scale_w)
     entry.offset_w.extend([0] * len(scale_w))
+    # INT8, the field's default, stays unwritten: INT8 records keep their bytes.
+    if aq.format.name != DEFAULT:
+        entry.act_type = aq.format.name
+    wfmt = layer.wts_quant.format
+    if wfmt.name != DEFAULT:
+        entry.wts_type = wfmt.name
     return entry
 
 
@@ -116,7 +134,8 @@ class Quantization(Technique):
             d = b.retrain_data_quant_config
             if d.HasField("ulq_quantize"):
                 u = d.ulq_quantize
-                _check_dtype(u.dst_type, "retrain_data_quant_config.ulq_quantize.dst_type", where, text, src)
+                _check_dtype(u.dst_type, "retrain_data_quant_config.ulq_quantize.dst_type", where, text, src,
+                             weights=False)
                 if u.HasField("clip_max_min"):
                     cmax, cmin = u.clip_max_min.clip_max, u.clip_max_min.clip_min
                     if not (math.isfinite(cmax) and cmax > 0):
@@ -127,7 +146,8 @@ class Quantization(Technique):
             w = b.retrain_weight_quant_config
             algo = w.WhichOneof("wts_algo")
             if algo is not None:
-                _check_dtype(getattr(w, algo).dst_type, f"retrain_weight_quant_config.{algo}.dst_type", where, text, src)
+                _check_dtype(getattr(w, algo).dst_type, f"retrain_weight_quant_config.{algo}.dst_type", where, text, src,
+                             weights=True)
 
     def layer_spec(self, cfg, info, api: str, notes: list[str]) -> QuantSpec | None:
         if self.eligible(info) is not None:
@@ -169,10 +189,15 @@ class Quantization(Technique):
         return state
 
     def check_restore(self, ctx: Context, state: QuantState) -> None:
-        for key in state.stored:
+        for key, entry in state.stored.items():
             if key not in state.layers:
                 raise ValueError(f"record_file has quantization scales for layer {key!r}, which this model and "
                                  "config do not quantize (record from another model or config?)")
+            spec = state.layers[key].spec
+            for name, planned in (("act_type", spec.act.dst_type), ("wts_type", spec.wts.dst_type)):
+                if getattr(entry, name) != planned:
+                    raise ValueError(f"record_file: layer {key!r} was quantized with {name} "
+                                     f"{getattr(entry, name)}, but the config asks for {planned}")
 
     def apply(self, ctx: Context, state: QuantState) -> None:
         shared: dict[tuple, nn.Module] = {}
@@ -205,6 +230,7 @@ class Quantization(Technique):
         if layer.wts_quant is not None:
             parts.weight_scales = layer.weight_scales()
             parts.weight_per_channel = bool(layer.wts_quant.channel_wise)
+            parts.weight_format = layer.wts_quant.format
         obs = layer.out_observer
         if obs is not None and bool(obs.initialized):
             parts.output_range = (float(obs.min_val), float(obs.max_val))

@@ -54,9 +54,12 @@ def test_empty_config(tmp_path):
         analyse(tmp_path, "")
 
 
-def test_int4_refused(tmp_path):
-    with pytest.raises(ValueError, match="INT4 quantization-aware training is not supported"):
-        analyse(tmp_path, "retrain_weight_quant_config { arq_retrain { dst_type: INT4 } }")
+def test_int4_is_for_weights_only(tmp_path):
+    with pytest.raises(ValueError, match=r"line 1:\d+: global.retrain_data_quant_config.ulq_quantize.dst_type: "
+                                         "INT4 is for weights only"):
+        analyse(tmp_path, "retrain_data_quant_config { ulq_quantize { dst_type: INT4 } }")
+    plan = analyse(tmp_path, "retrain_weight_quant_config { arq_retrain { dst_type: INT4 } }").plan
+    assert {lp.quant.wts.dst_type for lp in plan.quantized()} == {"INT4"}
 
 
 def test_duplicate_override_blocks(tmp_path):

@@ -74,7 +74,8 @@ def check_plan(plan, layers, api: str) -> None:
             if a.clip_max is not None:
                 assert math.isfinite(a.clip_max) and math.isfinite(a.clip_min), name
                 assert a.clip_max > 0 > a.clip_min, name
-            assert lp.quant.wts.algo in ("arq", "ulq") and lp.quant.wts.dst_type == "INT8"
+            assert lp.quant.wts.algo in ("arq", "ulq") and lp.quant.wts.dst_type in ("INT8", "INT4")
+            assert a.dst_type == "INT8", name  # INT4 is a weight-only format
         if lp.filter is not None:
             assert api != "quant" and info.type in FILTER_TYPES and not info.depthwise, name
             assert 0.0 < lp.filter.ratio < 1.0, name
