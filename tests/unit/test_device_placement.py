@@ -128,3 +128,23 @@ def test_the_plain_quantized_save_writes_what_the_streamed_one_does(tmp_path):
         streamed = _ort(str(tmp_path / f"s_{kind}_model.onnx"), probe)
         plain = _ort(str(tmp_path / f"p_{'fake' if kind == 'fake_quant' else 'deploy'}.onnx"), probe)
         assert np.array_equal(streamed, plain), kind
+
+
+def test_a_compiled_training_step_computes_what_the_eager_one_does(tmp_path):
+    """``torch.compile`` of the returned model (eager backend: Dynamo's capture, graph breaks
+    and guards, no code generation) runs a steady training step with the eager step's loss and
+    gradients. The graph breaks it takes are listed in docs/gpu.md."""
+    m, x, _ = _calibrated(tmp_path, "transformer", INT8)
+    eager = copy.deepcopy(m)
+    compiled = torch.compile(m, backend="eager")
+    losses = []
+    for model in (eager, compiled):
+        model.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(eager.named_parameters(), m.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
