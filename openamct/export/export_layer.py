@@ -33,11 +33,11 @@ from openamct.training.decisions import KEY as DECISIONS_KEY
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExportLayer", "QDQAct", "WeightDQ", "working_copy", "compressed_layers",
+__all__ = ["ExportLayer", "QDQAct", "WeightDQ", "working_copy", "inputs_on_cpu", "compressed_layers",
            "export_parts", "fold_layers", "fold_activations", "is_placeholder", "zero_twin"]
 
 
-def working_copy(model: nn.Module) -> nn.Module:
+def working_copy(model: nn.Module, cpu: bool = False) -> nn.Module:
     """Deep copy in eval mode without the record keeper (its hooks write the record file).
 
     The weights and biases of the layers, and the parameters of the model's own modules
@@ -45,12 +45,21 @@ def working_copy(model: nn.Module) -> nn.Module:
     nothing in the export writes to them, so a save holds no second copy of the model. So are
     computed 2:4 masks (packed bits); openamct's quantizers and uncomputed masks are copied: an
     eval forward may still initialise them.
+
+    ``cpu``: the copy lives on the CPU (the ONNX export traces there). For a model elsewhere (a
+    CUDA model) the shared tensors are then CPU copies instead, and the rest is moved after
+    the deep copy; the model itself stays on its device.
     """
     src = unwrap(model)
-    memo = {id(p): p for m in src.modules() if isinstance(m, CompressedLayer) or not _is_ours(m)
+    elsewhere = cpu and any(t.device.type != "cpu" for t in (*src.parameters(), *src.buffers()))
+    memo = {id(p): _on_cpu_param(p) if elsewhere else p
+            for m in src.modules() if isinstance(m, CompressedLayer) or not _is_ours(m)
             for p in m._parameters.values() if p is not None}
-    memo.update((id(m.mask_bits), m.mask_bits) for m in src.modules() if isinstance(m, NMSparsifier) and m._ready)
+    memo.update((id(m.mask_bits), m.mask_bits.cpu() if elsewhere else m.mask_bits)
+                for m in src.modules() if isinstance(m, NMSparsifier) and m._ready)
     work = copy.deepcopy(src, memo)
+    if elsewhere:  # every tensor still on the device is the copy's own
+        _to_cpu(work)
     keeper = getattr(work, "_openamct", None)
     if keeper is not None:
         for hooks in (work._forward_pre_hooks, work._forward_hooks):
@@ -59,6 +68,29 @@ def working_copy(model: nn.Module) -> nn.Module:
         del work._openamct
     work._buffers.pop(DECISIONS_KEY, None)  # the record identity is for restore and save, not the ONNX
     return work.eval()
+
+
+def _on_cpu_param(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(p.detach().cpu(), requires_grad=p.requires_grad)
+
+
+def _to_cpu(work: nn.Module) -> None:
+    """Replace (not ``.to()``: that may rewrite a tensor object in place) every parameter and
+    buffer of ``work`` that is not on the CPU by a CPU copy."""
+    for m in work.modules():
+        for k, p in m._parameters.items():
+            if p is not None and p.device.type != "cpu":
+                m._parameters[k] = _on_cpu_param(p)
+        for k, b in m._buffers.items():
+            if b is not None and b.device.type != "cpu":
+                m._buffers[k] = b.cpu()
+
+
+def inputs_on_cpu(input_data):
+    """``input_data`` with every tensor (in tuples, lists, dicts) on the CPU, for a CPU copy."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, input_data)
 
 
 def _is_ours(module: nn.Module) -> bool:

@@ -32,6 +32,7 @@ from openamct.export.deploy import finish_deploy, fold_deploy
 from openamct.export.export_layer import (
     compressed_layers,
     export_parts,
+    inputs_on_cpu,
     working_copy,
 )
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
@@ -118,8 +119,8 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
                 external_threshold: int = EXTERNAL_DATA_BYTES, streamed_save: Callable | None = None) -> None:
     """Write ``fake_path`` (float fake-quant model) and ``deploy_path`` (INT8 QDQ model).
 
-    Works on deep copies in eval mode: the caller's model (DDP-wrapped or not) is left as it
-    was. Without any quantized layer (prune-only) both files get the same plain float export.
+    Works on deep copies in eval mode, on the CPU: the caller's model (DDP-wrapped or not, on
+    any device) is left as it was. Without any quantized layer (prune-only) both files get the same plain float export.
 
     ``streamed_save`` is the save's branch point: the pipeline passes
     ``openamct.large.streamed_save.export_pair_streamed`` for a model whose tensors are all on
@@ -135,7 +136,9 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     runtime = getattr(getattr(model, "_openamct", None), "large", None)
     if runtime is not None:  # the training step's buffers: the next step maps them again
         runtime.release()
-    probe = working_copy(model)
+    # Exported from a CPU copy: a CUDA model's save leaves it on its device, as it was.
+    probe = working_copy(model, cpu=True)
+    input_data = inputs_on_cpu(input_data)
     quantized = any(export_parts(layer, techniques).quantized for layer in compressed_layers(probe).values())
     if not quantized:
         proto = export_onnx(fold_plain(probe, techniques), input_data, **names)
@@ -155,7 +158,7 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     else:  # both models folded whole, exported, stamped and written
         fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
         del probe
-        work = working_copy(model)
+        work = working_copy(model, cpu=True)
         observers = fold_deploy(work, techniques)
         deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
         del work

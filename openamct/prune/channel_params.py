@@ -107,7 +107,7 @@ def sliced(m: nn.Module, keep: list[int]) -> tuple[dict[str, torch.Tensor], dict
     """New tensors and attributes of an owner module that keeps channels ``keep``."""
     tensors = {}
     for attr, t in _state(m).items():
-        tensors[attr] = t.data.index_select(vector_dim(t), torch.tensor(keep, dtype=torch.long))
+        tensors[attr] = t.data.index_select(vector_dim(t), torch.tensor(keep, dtype=torch.long, device=t.device))
     n, ints = len(keep), {}
     if isinstance(getattr(m, "normalized_shape", None), (tuple, list)):
         ints["normalized_shape"] = (n,)  # F.layer_norm / F.rms_norm read it

@@ -3,6 +3,11 @@
 Removal works on the module tree of the (already deep-copied) model. All groups are applied
 at once: removals are first gathered per (module, axis) in the original coordinates, then
 every tensor is sliced once, so a concat consumer's offsets never shift under us.
+
+Device: scores and new tensors are computed on the device of the weights they come from
+(``take`` builds its index tensor there); only the per-group scores come to the CPU, once,
+to choose the channels. Tensors are sliced with ``narrow`` / ``index_select``, not Python
+indexing, so the same code runs on the meta device and under ``FakeTensorMode``.
 """
 
 from __future__ import annotations
@@ -27,8 +32,15 @@ def channel_scores(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach().to(torch.float64)
     cout = w.shape[0]
     s = w.reshape(cout, -1).norm(dim=1) / (w.numel() / cout)
-    span = s.max() - s.min()
-    return (s - s.min()) / span if span > 0 else torch.zeros_like(s)  # all equal: no preference
+    lo, span = s.min(), s.max() - s.min()
+    # all equal: no preference (chosen on the device: a Python branch would read span back)
+    return torch.where(span > 0, (s - lo) / span, torch.zeros_like(s))
+
+
+def take(t: torch.Tensor, dim: int, index: list[int]) -> torch.Tensor:
+    """``t``'s entries ``index`` along ``dim``; the index tensor is made on ``t``'s device
+    (``index_select`` refuses a CPU index for a CUDA tensor)."""
+    return t.index_select(dim, torch.tensor(index, dtype=torch.long, device=t.device))
 
 
 def kept_count(n: int, ratio: float, ascend_optimized: bool, prune_group: int = 1, align: int = 16) -> int:
@@ -53,22 +65,30 @@ def select_removed(scores: torch.Tensor, remain: int, prune_group: int) -> list[
     return sorted(removed)
 
 
+def group_scores(modules: dict[str, nn.Module], g: PruneGroup) -> torch.Tensor:
+    """The summed channel scores of a group's producers (float64, on their weights' device)."""
+    total = None
+    for p in g.producers:
+        if p.name not in modules:
+            raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
+        m = modules[p.name]
+        w = m.weight.detach()
+        w = w.t() if layer_type_of(m).name == "Conv1D" else w  # output channels first
+        if p.end > w.shape[0] or p.end - p.begin != g.channels * p.repeat:
+            raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
+                             f"its group expects {g.channels * p.repeat} at {p.begin}..{p.end - 1}")
+        w = w.narrow(0, p.begin, p.end - p.begin)  # one piece of a fused projection (GPT-2's c_attn: Q, K or V)
+        # a unit of p.repeat rows (an attention head) is scored as one filter
+        s = channel_scores(w.reshape(g.channels, -1))
+        total = s if total is None else total + s.to(total.device)  # every producer counts, not just the first
+    return total
+
+
 def score_and_select(model: nn.Module, groups: list[PruneGroup]) -> None:
     """Fill ``group.removed`` for every group (an empty list when the layer is too small)."""
     modules = dict(model.named_modules())
     for g in groups:
-        total = torch.zeros(g.channels, dtype=torch.float64)
-        for p in g.producers:
-            if p.name not in modules:
-                raise ValueError(f"filter prune: layer {p.name!r} does not exist in the model")
-            m = modules[p.name]
-            w = m.weight.t() if layer_type_of(m).name == "Conv1D" else m.weight  # output channels first
-            if p.end > w.shape[0] or p.end - p.begin != g.channels * p.repeat:
-                raise ValueError(f"filter prune: layer {p.name!r} has {w.shape[0]} output channels, "
-                                 f"its group expects {g.channels * p.repeat} at {p.begin}..{p.end - 1}")
-            w = w[p.begin:p.end]  # one piece of a fused projection (GPT-2's c_attn: Q, K or V)
-            # a unit of p.repeat rows (an attention head) is scored as one filter
-            total += channel_scores(w.reshape(g.channels, -1))  # every producer counts, not just the first
+        total = group_scores(modules, g).cpu()  # one read per group: the choice is made on the CPU
         # ascend_optimized aligns the kept rows of every producer: a unit of r rows (a head)
         # needs 16 / gcd(16, r) units per step, not 16
         align = math.lcm(*(16 // math.gcd(16, p.repeat) for p in g.producers))
@@ -128,7 +148,7 @@ Edit = tuple[dict[str, torch.Tensor], dict[str, int]]  # new tensors, new int at
 
 
 def _with_bias(m: nn.Module, weight: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
-    return {"weight": weight} if m.bias is None else {"weight": weight, "bias": m.bias.data[rows]}
+    return {"weight": weight} if m.bias is None else {"weight": weight, "bias": take(m.bias.data, 0, rows)}
 
 
 def _cut_conv(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
@@ -141,18 +161,18 @@ def _cut_conv(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> E
         if any(c * mult + j not in out_cut for c in {p // mult for p in out_cut} for j in range(mult)):
             raise ValueError(f"filter prune: depthwise conv {name!r} must lose all {mult} outputs of a channel")
         n = len(keep) // mult  # upstream left out_channels stale here; all four must agree
-        return _with_bias(m, w[keep], keep), {"out_channels": len(keep), "in_channels": n, "groups": n}
+        return _with_bias(m, take(w, 0, keep), keep), {"out_channels": len(keep), "in_channels": n, "groups": n}
     if isinstance(m, TRANSPOSED_CONVS):  # weight (Cin, Cout/g, ...): input channels are rows
         if out_cut:
             raise ValueError(f"filter prune: {name!r} ({type(m).__name__}) is only pruned on its input channels")
         cin_g = m.in_channels // g
         keep = [b * cin_g + i for b, k in enumerate(_blockwise(m.in_channels, g, in_cut, name)) for i in k]
-        return {"weight": w[keep]}, {"in_channels": len(keep)}
+        return {"weight": take(w, 0, keep)}, {"in_channels": len(keep)}
     cout_g = m.out_channels // g
     rows = _blockwise(m.out_channels, g, out_cut, f"{name}.out_channels")
     cols = _blockwise(m.in_channels, g, in_cut, f"{name}.in_channels")
     # a grouped conv's input channel i of group b sits in column i - b*Cin/g of rows of group b only
-    weight = torch.cat([w[b * cout_g:(b + 1) * cout_g][rows[b]][:, cols[b]] for b in range(g)], 0)
+    weight = torch.cat([take(take(w.narrow(0, b * cout_g, cout_g), 0, rows[b]), 1, cols[b]) for b in range(g)], 0)
     keep_rows = [b * cout_g + i for b in range(g) for i in rows[b]]
     return _with_bias(m, weight, keep_rows), {"out_channels": len(keep_rows), "in_channels": sum(map(len, cols))}
 
@@ -164,17 +184,17 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
     if isinstance(m, nn.Linear):
         rows = _keep(m.out_features, out_cut, f"{name}.out_features")
         cols = _keep(m.in_features, in_cut, f"{name}.in_features")
-        tensors = {"weight": m.weight.data[rows][:, cols]}
+        tensors = {"weight": take(take(m.weight.data, 0, rows), 1, cols)}
         if m.bias is not None:
-            tensors["bias"] = m.bias.data[rows]
+            tensors["bias"] = take(m.bias.data, 0, rows)
         return tensors, {"out_features": len(rows), "in_features": len(cols)}
     row = layer_type_of(m)
     if row is not None and row.name == "Conv1D":  # weight [in, out]; the forward reads nf
         n_in, n_out = features(m)
         outs, ins = _keep(n_out, out_cut, f"{name}.nf"), _keep(n_in, in_cut, f"{name}.nx")
-        tensors = {"weight": m.weight.data[ins][:, outs]}
+        tensors = {"weight": take(take(m.weight.data, 0, ins), 1, outs)}
         if m.bias is not None:
-            tensors["bias"] = m.bias.data[outs]
+            tensors["bias"] = take(m.bias.data, 0, outs)
         return tensors, {"nf": len(outs)} | ({"nx": len(ins)} if hasattr(m, "nx") else {})
     if isinstance(m, nn.Embedding):  # a per-head bias table (T5's relative_attention_bias): columns
         return embedding_columns(m, _keep(m.embedding_dim, out_cut | in_cut, f"{name}.embedding_dim"))
@@ -185,7 +205,7 @@ def _edit(name: str, m: nn.Module, out_cut: set[int], in_cut: set[int]) -> Edit:
         return sliced(m, _keep(n, out_cut | in_cut, f"{name} (per-channel parameters)"))
     if isinstance(m, BATCHNORM_TYPES):
         keep = _keep(m.num_features, out_cut | in_cut, f"{name}.num_features")
-        tensors = {a: getattr(m, a).data[keep] for a in ("weight", "bias", "running_mean", "running_var")
+        tensors = {a: take(getattr(m, a).data, 0, keep) for a in ("weight", "bias", "running_mean", "running_var")
                    if getattr(m, a, None) is not None}
         return tensors, {"num_features": len(keep)}
     raise ValueError(f"filter prune: cannot remove channels of layer {name!r} ({type(m).__name__})")
@@ -209,8 +229,8 @@ def _param_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, 
     p = model.get_parameter(name)
     if owner_size(p) is None:
         raise ValueError(f"filter prune: parameter {name!r} {tuple(p.shape)} is not a per-channel vector")
-    keep = torch.tensor(_keep(p.shape[vector_dim(p)], cut, name), dtype=torch.long)
-    return model.get_submodule(owner_name), ({attr: p.data.index_select(vector_dim(p), keep)}, {})
+    keep = _keep(p.shape[vector_dim(p)], cut, name)
+    return model.get_submodule(owner_name), ({attr: take(p.data, vector_dim(p), keep)}, {})
 
 
 def _attr_edit(model: nn.Module, name: str, cut: set[int]) -> tuple[nn.Module, Edit]:

@@ -35,4 +35,5 @@ def head_embedding(node: Node, modules: dict[str, nn.Module], calls: int) -> int
 
 def embedding_columns(m: nn.Embedding, keep: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """New weight and size of a per-head Embedding that keeps heads ``keep``."""
-    return {"weight": m.weight.data[:, keep]}, {"embedding_dim": len(keep)}
+    index = torch.tensor(keep, dtype=torch.long, device=m.weight.device)  # on the table's device
+    return {"weight": m.weight.data.index_select(1, index)}, {"embedding_dim": len(keep)}

@@ -117,6 +117,20 @@ def excess_over_2_of_4(keep: torch.Tensor, axis: int, groups: int) -> int:
     return int((counts - 2).clamp_(min=0).sum())
 
 
+def mask_changes(recorded: dict[str, torch.Tensor], sparsifiers: dict) -> dict[str, torch.Tensor]:
+    """Layer -> a 0-dim bool tensor on the layer's device: do its mask bits differ from the
+    record's? The record's bits are read on the CPU; they are moved to the mask's device (a
+    CUDA model's), since comparing tensors of two devices is an error."""
+    changes = {}
+    for name, bits in recorded.items():
+        held = sparsifiers[name].mask_bits
+        if held.shape != bits.shape:
+            changes[name] = torch.ones((), dtype=torch.bool, device=held.device)
+        else:
+            changes[name] = torch.ne(held, bits.to(held.device)).any()
+    return changes
+
+
 @dataclass
 class SparsityState:
     masks: dict[str, tuple[tuple[int, ...], torch.Tensor] | None]  # layer -> the record's (shape, packed mask) or None
@@ -242,7 +256,8 @@ class Sparsity24(Technique):
             if bool(sp.mask_ready):
                 check_nm_pattern(sp.mask_bits, sp.weight_shape, sp.axis, sp.groups,
                                  repr(name + ".sparsity.mask_bits"))
-        differ = [n for n, bits in state.recorded.items() if not torch.equal(sparsifiers[n].mask_bits, bits)]
+        changed = mask_changes(state.recorded, sparsifiers)
+        differ = [n for n, flag in changed.items() if bool(flag)]  # restore only: one read per layer
         if differ:
             logger.warning("pth_file: the 2:4 masks of %d layer(s) (%s) differ from record_file's (the record was "
                            "rewritten after this checkpoint, update_freq > 0); using the checkpoint's, which belong "
