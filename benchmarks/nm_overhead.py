@@ -17,32 +17,27 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openamct.prune.nm import NMSparsifier, compute_nm_mask, nm_eligible
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.* importable
+
+from benchmarks.models import BasicBlock  # noqa: E402
+from openamct.prune.nm import NMSparsifier, compute_nm_mask, nm_eligible  # noqa: E402
 
 
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.short = None
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                       nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return F.relu(y + (x if self.short is None else self.short(x)))
+def block(cin: int, cout: int, stride: int) -> BasicBlock:
+    """A torchvision BasicBlock, with a 1x1 conv + BN shortcut where the shape changes."""
+    down = None
+    if stride != 1 or cin != cout:
+        down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+    return BasicBlock(cin, cout, stride, down)
 
 
 class SmallResNet(nn.Module):
@@ -54,7 +49,7 @@ class SmallResNet(nn.Module):
                                   nn.ReLU())
         layers, cin = [], 32
         for i, cout in enumerate((32, 64, 128, 256)):
-            layers += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
+            layers += [block(cin, cout, 1 if i == 0 else 2), block(cout, cout, 1)]
             cin = cout
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(256, classes)

@@ -7,7 +7,6 @@ restore_prune_retrain_model -> retrain -> save_prune_retrain_model -> run the ON
 With AMCT, only the import line differs (``import amct_pytorch as amct``).
 """
 
-import argparse
 import os
 import sys
 
@@ -16,9 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.* importable
 
 import openamct as amct  # noqa: E402
-from examples.digits import DigitsNet, load_digits  # noqa: E402
-from openamct.demo import bench  # noqa: E402
-from openamct.demo.train import evaluate, train_epochs  # noqa: E402
+from examples.digits_flow import EXPORT_ARGS, onnx_accuracy, start, torch_accuracy, train  # noqa: E402
 
 # conv2 loses half its output channels (and conv3 the matching inputs); the other conv and
 # Linear layers get 2:4 sparsity. A layer takes either the override or the global pruning.
@@ -31,53 +28,23 @@ override_layer_configs {
 """
 
 
-def train(model, data, epochs, lr=3e-3, first_epoch=0):
-    # Constant lr, epoch e shuffled with seed e: a resumed run sees what an uninterrupted one would.
-    train_epochs(model, data.x_train, data.y_train, epochs, batch_size=32, lr=lr, seed=first_epoch,
-                 scheduler=None, progress=False)
-
-
-def torch_accuracy(model, data):
-    return evaluate(model, data.x_test, data.y_test)
-
-
-def onnx_accuracy(path, data):
-    return bench.onnx_accuracy(bench.session(path), data.x_test, data.y_test)
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=10, help="FP32 epochs; retraining uses as many")
-    p.add_argument("--out", default="runs/prune")
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    cfg, record = os.path.join(args.out, "prune.cfg"), os.path.join(args.out, "record.txt")
-    ckpt = os.path.join(args.out, "checkpoint.pth")
-    with open(cfg, "w") as f:
-        f.write(CONFIG)
-
-    torch.manual_seed(0)
-    data = load_digits()
-    model = DigitsNet()
-    train(model, data, args.epochs)
-    model.eval()
-    x = torch.randn(1, 1, 8, 8)  # only used to capture the graph
+    s = start(__doc__.splitlines()[0], "runs/prune", "prune.cfg", CONFIG)
+    cfg, record, ckpt, data, model, x = s.cfg, s.record, s.ckpt, s.data, s.model, s.x
 
     pruned = amct.create_prune_retrain_model(model, x, cfg, record)
-    half = args.epochs // 2
+    half = s.epochs // 2
     train(pruned, data, half, lr=1e-3)
     torch.save({"state_dict": pruned.state_dict()}, ckpt)
     del pruned  # pretend the job died here
 
     # Note the argument order: record_file before config_defination (as in AMCT).
     pruned = amct.restore_prune_retrain_model(model, x, record, cfg, ckpt, "state_dict")
-    train(pruned, data, args.epochs - half, lr=1e-3, first_epoch=half)
-    amct.save_prune_retrain_model(pruned, os.path.join(args.out, "digits"), x,
-                                  input_names=["input"], output_names=["logits"],
-                                  dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+    train(pruned, data, s.epochs - half, lr=1e-3, first_epoch=half)
+    amct.save_prune_retrain_model(pruned, os.path.join(s.out, "digits"), x, **EXPORT_ARGS)
 
     fp32 = torch_accuracy(model, data)
-    deploy = onnx_accuracy(os.path.join(args.out, "digits_deploy_model.onnx"), data)
+    deploy = onnx_accuracy(os.path.join(s.out, "digits_deploy_model.onnx"), data)
     print(f"FP32 accuracy {fp32:.4f}, pruned deploy ONNX accuracy {deploy:.4f}")
 
 

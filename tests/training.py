@@ -5,11 +5,14 @@ import torch
 
 
 def sgd_steps(model, inputs, steps=3, lr=0.01, momentum=0.0):
-    """``inputs``: a tensor, a tuple/list of positional tensors, or a dict of keyword tensors."""
+    """``inputs``: a tensor, a tuple/list of positional tensors, a dict of keyword tensors, or a
+    callable ``inputs(model)`` that runs the forward and returns the output (a fresh batch each step)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=momentum)
     model.train()
     for _ in range(steps):
-        if isinstance(inputs, dict):
+        if callable(inputs):
+            out = inputs(model)
+        elif isinstance(inputs, dict):
             out = model(**inputs)
         else:
             out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)

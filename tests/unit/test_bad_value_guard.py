@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 import openamct as amct
+from tests.small import INT8, changed_keys, snapshot, write_cfg
+from tests.training import sgd_steps
 
-INT8 = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { n_out_of_m_type: M4N2 update_freq: 1 } } }\n"
 
 
@@ -31,37 +32,23 @@ class Net(nn.Module):
 
 
 def _trained(tmp_path, cfg: str):
-    (tmp_path / "c.cfg").write_text(cfg)
     torch.manual_seed(0)
     x = torch.randn(4, 3, 8, 8)
-    m = amct.create_compressed_retrain_model(Net(), x, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    m.train()
-    for _ in range(3):
-        opt.zero_grad()
-        m(x).square().mean().backward()
-        opt.step()
+    m = amct.create_compressed_retrain_model(Net(), x, write_cfg(tmp_path, cfg, "c.cfg"), str(tmp_path / "r.txt"))
+    sgd_steps(m, x, steps=3, lr=0.01)
     return m, x
-
-
-def _state(m):
-    return {k: v.clone() for k, v in m.state_dict().items()}
-
-
-def _same(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("cfg", [INT8, INT8 + NM])
 def test_a_nan_batch_is_refused_naming_the_layer_and_the_model_is_unchanged(tmp_path, cfg):
     m, x = _trained(tmp_path, cfg)
-    before = _state(m)
+    before = snapshot(m)
     bad = x.clone()
     bad[0, 1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"training step 4: a NaN/inf value reached layer 'conv': its input holds "
                                          r"1 NaN/inf value\(s\); the batch itself holds 1"):
         m(bad)
-    assert _same(before, _state(m))
+    assert changed_keys(before, m) == []
     m(x).square().mean().backward()  # training goes on with good batches
 
 
@@ -70,11 +57,11 @@ def test_clips_a_diverged_step_left_not_finite_are_named(tmp_path):
     with torch.no_grad():
         m.mid.act_quant.clip_max.fill_(float("inf"))
         m.mid.act_quant.clip_min.fill_(float("-inf"))
-    before = _state(m)
+    before = snapshot(m)
     with pytest.raises(ValueError, match=r"reached layer 'mid': its activation clips \(act_quant.clip_max\) hold "
                                          r"NaN/inf after the last optimizer step"):
         m(x)
-    assert _same(before, _state(m))
+    assert changed_keys(before, m) == []
 
 
 def test_eval_forwards_are_not_checked(tmp_path):

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import openamct as amct
-
-QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+from tests.small import restores_the_same, write_cfg
+from tests.training import sgd_steps
 
 
 class CachedBias(nn.Module):
@@ -39,28 +39,14 @@ class CachedBias(nn.Module):
 
 
 def test_capture_leaves_an_eval_cache_as_it_found_it(tmp_path):
-    cfg = tmp_path / "q.cfg"
-    cfg.write_text(QUANT)
+    cfg, rec = write_cfg(tmp_path), str(tmp_path / "r.txt")
     x = torch.randn(4, 8)
     model = CachedBias()
-    m = amct.create_compressed_retrain_model(model, x, str(cfg), str(tmp_path / "r.txt"))
+    m = amct.create_compressed_retrain_model(model, x, cfg, rec)
     assert model.cache == {}  # the caller's model: never touched
     assert m.cache == {}  # the working copy: capture's eval forward left no cached value
-    opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    m.train()
-    for _ in range(3):
-        opt.zero_grad()
-        m(x).square().mean().backward()
-        opt.step()
+    sgd_steps(m, x, steps=3, lr=0.5)
     with torch.no_grad():
         m.table.add_(1.0)  # the trained table differs from the original model's
-    m.eval()
-    with torch.no_grad():
-        want = m(x)
-    torch.save(m.state_dict(), tmp_path / "ck.pth")
-    r = amct.restore_compressed_retrain_model(CachedBias(), x, str(cfg), str(tmp_path / "r.txt"),
-                                              str(tmp_path / "ck.pth"))
-    r.eval()
-    with torch.no_grad():
-        got = r(x)
-    assert torch.equal(got, want), (got - want).abs().max()
+    restores_the_same(m, lambda ck: amct.restore_compressed_retrain_model(CachedBias(), x, cfg, rec, ck),
+                      x, tmp_path / "ck.pth")

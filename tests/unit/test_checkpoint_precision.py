@@ -6,36 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import openamct as amct
-
-QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+from tests.small import ConvFc, one_step
 
 
 def _trained(tmp_path):
-    (tmp_path / "q.cfg").write_text(QUANT)
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
-    m = amct.create_compressed_retrain_model(Net(), x, str(tmp_path / "q.cfg"), str(tmp_path / "r.txt"))
-    m.train()
-    m(x)
-    m.eval()
-    return m, x
+    return one_step(tmp_path, ConvFc(), x), x
 
 
 def _restore(tmp_path, x):
-    return amct.restore_compressed_retrain_model(Net(), x, str(tmp_path / "q.cfg"), str(tmp_path / "r.txt"),
+    return amct.restore_compressed_retrain_model(ConvFc(), x, str(tmp_path / "q.cfg"), str(tmp_path / "r.txt"),
                                                  str(tmp_path / "ck.pth"))
 
 

@@ -23,6 +23,7 @@ from openamct.export.fake_quant import FakeQuantAct
 from openamct.export.writer import export_onnx, export_pair
 from tests.models import MODELS, example_input
 from tests.numerics import assert_same_quantized_function
+from tests.training import sgd_steps
 
 QUANT_CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -45,7 +46,6 @@ def _compressed(model: nn.Module, x, tmp_path, cfg: str = QUANT_CFG, steps: int 
     with open(cfg_path, "w") as f:
         f.write(cfg)
     c = amct.create_compressed_retrain_model(model, x, cfg_path, rec)
-    opt = torch.optim.SGD(c.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
 
     def forward(m):
@@ -53,12 +53,7 @@ def _compressed(model: nn.Module, x, tmp_path, cfg: str = QUANT_CFG, steps: int 
             return m(**{k: torch.randn((8, *v.shape[1:]), generator=g) for k, v in x.items()})
         return m(torch.randn((8, *x.shape[1:]), generator=g))
 
-    c.train()
-    for _ in range(steps):
-        loss = forward(c).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(c, forward, steps=steps, lr=0.01)
     c.eval()
     with torch.no_grad():
         forward(c)

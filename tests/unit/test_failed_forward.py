@@ -8,32 +8,36 @@ import torch
 from torch import nn
 
 import openamct as amct
+from tests.small import INT8, ConvFc, changed_keys, snapshot, write_cfg
 
-CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-       "prune_config { n_out_of_m_pruner { l1_selective_prune { update_freq: 1 } } }\n")
+CFG = INT8 + "prune_config { n_out_of_m_pruner { l1_selective_prune { update_freq: 1 } } }\n"
 
 
-class Net(nn.Module):
+class Net(ConvFc):
+    """ConvFc (8 -> 16 -> 4) that flattens instead of averaging: it needs a 1x1 spatial input."""
+
     def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc = nn.Linear(16, 4)
+        super().__init__(c_in=8, width=16, outputs=4)
 
     def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).flatten(1))  # needs a 1x1 spatial input
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def _created(tmp_path):
+    """A 1x1 batch and the model created from it under CFG, in training mode."""
+    x = torch.randn(2, 8, 1, 1)
+    m = amct.create_compressed_retrain_model(Net(), x, write_cfg(tmp_path, CFG, "c.cfg"), str(tmp_path / "r.txt"))
+    m.train()
+    return m, x
 
 
 def test_a_failed_forward_initialises_nothing_and_counts_no_step(tmp_path):
-    (tmp_path / "c.cfg").write_text(CFG)
-    x = torch.randn(2, 8, 1, 1)
-    m = amct.create_compressed_retrain_model(Net(), x, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
-    m.train()
-    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m, x = _created(tmp_path)
+    before = snapshot(m)
     huge = torch.randn(2, 8, 4, 4) * 1000  # conv runs, fc fails on the shape
     with pytest.raises(RuntimeError):
         m(huge)
-    after = m.state_dict()
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    changed = changed_keys(before, m)
     assert changed == [], changed
     assert not bool(m.conv.act_quant.initialized) and int(m.conv.sparsity.step) == 0
     m(x)  # the next good batch initialises from itself
@@ -42,10 +46,7 @@ def test_a_failed_forward_initialises_nothing_and_counts_no_step(tmp_path):
 
 
 def test_a_failed_forward_is_also_undone_by_the_next_forward(tmp_path):
-    (tmp_path / "c.cfg").write_text(CFG)
-    x = torch.randn(2, 8, 1, 1)
-    m = amct.create_compressed_retrain_model(Net(), x, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
-    m.train()
+    m, x = _created(tmp_path)
     with pytest.raises(RuntimeError):
         m(torch.randn(2, 8, 4, 4) * 1000)
     m(x)
@@ -57,10 +58,7 @@ def test_a_mask_not_computed_yet_is_put_back_without_a_copy(tmp_path):
     (at 1.1B parameters 130 MB of new pages in the first step), and still puts them back."""
     from openamct.training import rollback
 
-    (tmp_path / "c.cfg").write_text(CFG)
-    x = torch.randn(2, 8, 1, 1)
-    m = amct.create_compressed_retrain_model(Net(), x, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
-    m.train()
+    m, x = _created(tmp_path)
     kept = m.conv.sparsity.mask_bits.clone()
     with pytest.raises(RuntimeError):
         m(torch.randn(2, 8, 4, 4) * 1000)  # the conv computes its mask, then fc fails
@@ -71,10 +69,7 @@ def test_a_mask_not_computed_yet_is_put_back_without_a_copy(tmp_path):
 
 
 def test_a_mask_not_computed_but_not_all_kept_is_copied_and_put_back(tmp_path):
-    (tmp_path / "c.cfg").write_text(CFG)
-    x = torch.randn(2, 8, 1, 1)
-    m = amct.create_compressed_retrain_model(Net(), x, str(tmp_path / "c.cfg"), str(tmp_path / "r.txt"))
-    m.train()
+    m, x = _created(tmp_path)
     sp = m.conv.sparsity
     sp.mask_bits[3] = 0x5A  # as a checkpoint saved with mask_ready False could hold
     odd = sp.mask_bits.clone()
@@ -175,15 +170,14 @@ def test_a_failed_forward_puts_back_every_quantizer_of_activations_outputs_and_r
     m, twin = made
     before = _quantizer_state(m)
     assert any(int(t["init_batches"]) == 1 and not bool(t["initialized"]) for t, _ in before.values())
-    whole = {k: v.clone() for k, v in m.state_dict().items()}
+    whole = snapshot(m)
     m.fail = True
     with pytest.raises(RuntimeError, match="quantizers ran"):
         m(bad)
     m.fail = False
     m._openamct.undo_failed_forward()  # what the next forward, state_dict() or save do first
     _same(_quantizer_state(m), before)
-    after = m.state_dict()
-    assert [k for k in whole if not torch.equal(whole[k], after[k])] == []
+    assert changed_keys(whole, m) == []
     m(x2)
     twin(x2)
     _same(_quantizer_state(m), _quantizer_state(twin))

@@ -28,6 +28,7 @@ from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import COMPAT
 from tests.hang import no_hang
 from tests.record_models import EltwiseConv, NetTrainBranch, SingleConv, SplitConcatConv
+from tests.training import sgd_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")]
 
@@ -81,13 +82,7 @@ def ours(tmp_path_factory):
         f.write(SMALL_CFG)
     torch.manual_seed(0)
     model = amct.create_compressed_retrain_model(SmallNet(), X, cfg, rec)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model.train()
-    for _ in range(3):
-        loss = model(X).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(model, X, steps=3, lr=0.05)
     model.eval()
     with torch.no_grad():
         y = model(X)

@@ -22,6 +22,7 @@ from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.record.values import check_record_values
 from tests.models import MODELS, Net001, example_input
 from tests.numerics import assert_same_quantized_function
+from tests.training import sgd_steps
 
 
 def test_format_table():
@@ -108,14 +109,8 @@ def test_int4_weight_lifecycle(tmp_path, algo):
     layers = {n: m for n, m in c.named_modules() if isinstance(m, CompressedLayer)}
     assert layers and all(m.wts_quant.format.name == "INT4" for m in layers.values())
     assert all(m.act_quant.format == INT8_ACT for m in layers.values())
-    opt = torch.optim.SGD(c.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
-    c.train()
-    for _ in range(3):
-        loss = c(torch.randn((8, *x.shape[1:]), generator=g)).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(c, lambda m: m(torch.randn((8, *x.shape[1:]), generator=g)), steps=3, lr=0.01)
     c.eval()
     with torch.no_grad():
         ref_out = c(x)

@@ -7,32 +7,28 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 import openamct as amct
 from openamct.record.file_io import read_record
+from tests.small import INT8, NM, ConvFc, write_cfg
 
-QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { } } }\n"
 X = torch.randn(2, 8, 6, 6)
 
 
-class Counted(nn.Module):
+class Counted(ConvFc):
+    """ConvFc (8 -> 16 -> 4) that counts its forward calls."""
+
     def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc = nn.Linear(16, 4)
+        super().__init__(c_in=8, width=16, outputs=4)
         self.calls = 0
 
     def forward(self, x):
         self.calls += 1
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+        return super().forward(x)
 
 
-def _cfg(tmp_path, text=QUANT + NM, name="retrain.cfg"):
-    p = tmp_path / name
-    p.write_text(text)
-    return str(p)
+def _cfg(tmp_path, text=INT8 + NM, name="retrain.cfg"):
+    return write_cfg(tmp_path, text, name)
 
 
 def _trained(tmp_path):
@@ -53,8 +49,8 @@ def test_record_file_naming_the_config_is_refused_and_the_config_kept(tmp_path):
     with pytest.raises(ValueError, match="record_file .* is the same file as config_defination"):
         amct.create_compressed_retrain_model(model, X, cfg, cfg)
     with pytest.raises(ValueError, match="record_file .* is the same file as config_file"):
-        amct.create_quant_retrain_model(_cfg(tmp_path, QUANT, "q.cfg"), model, str(tmp_path / "q.cfg"), X)
-    assert open(cfg).read() == QUANT + NM
+        amct.create_quant_retrain_model(_cfg(tmp_path, INT8, "q.cfg"), model, str(tmp_path / "q.cfg"), X)
+    assert open(cfg).read() == INT8 + NM
     assert model.calls == 0  # refused before any work
 
 
@@ -84,12 +80,12 @@ def test_an_existing_record_is_overwritten_as_before(tmp_path):
 
 
 def test_create_quant_retrain_config_never_replaces_a_retrain_cfg(tmp_path):
-    cfg = _cfg(tmp_path, QUANT)
+    cfg = _cfg(tmp_path, INT8)
     with pytest.raises(ValueError, match=r"config_file .*retrain.cfg' exists and is not a quant config JSON"):
         amct.create_quant_retrain_config(cfg, Counted(), X)
     with pytest.raises(ValueError, match="config_file .* is the same file as config_defination"):
         amct.create_quant_retrain_config(cfg, Counted(), X, cfg)
-    assert open(cfg).read() == QUANT
+    assert open(cfg).read() == INT8
     js = str(tmp_path / "q.json")
     amct.create_quant_retrain_config(js, Counted(), X, cfg)
     amct.create_quant_retrain_config(js, Counted(), X, cfg)  # its own earlier output: overwritten
@@ -104,7 +100,7 @@ def test_save_never_overwrites_an_input_or_a_foreign_file(tmp_path):
         amct.save_compressed_retrain_model(m, rec, str(tmp_path / "m"), X)
     assert (tmp_path / "m_deploy_model.onnx").read_text() == "my notes"
     assert not (tmp_path / "m_fake_quant_model.onnx").exists()
-    qcfg = _cfg(tmp_path, QUANT, "q.cfg")
+    qcfg = _cfg(tmp_path, INT8, "q.cfg")
     with pytest.raises(ValueError, match="record_file .* is the same file as config_file"):
         amct.save_quant_retrain_model(qcfg, m, qcfg, str(tmp_path / "n"), X)
 
@@ -121,7 +117,7 @@ def test_bad_record_paths_are_refused_before_any_work(tmp_path, path, msg):
     with pytest.raises(ValueError, match=f"record_file.*{msg}"):
         amct.create_compressed_retrain_model(model, X, _cfg(tmp_path), path)
     with pytest.raises(ValueError, match=f"record_file.*{msg}"):
-        amct.create_quant_retrain_model(_cfg(tmp_path, QUANT), model, path, X)
+        amct.create_quant_retrain_model(_cfg(tmp_path, INT8), model, path, X)
     assert model.calls == 0
 
 

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import openamct as amct
+from tests.small import HALF_FILTERS, INT8, restores_the_same
+from tests.training import sgd_steps
 
-FILTER = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-          "prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_ratio: 0.5 ascend_optimized: false } } }\n")
+FILTER = INT8 + HALF_FILTERS
 
 
 class FixedWidth(nn.Module):
@@ -48,21 +49,10 @@ def test_a_group_the_forward_cannot_follow_stays_whole(tmp_path, caplog):
     assert "proj" in caplog.text
     assert m.proj.weight.shape[0] == 16  # left whole
     assert m.stem.weight.shape[0] < 16  # the group the forward follows is pruned
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    m.train()
-    for _ in range(2):
-        opt.zero_grad()
-        m(x).square().mean().backward()
-        opt.step()
-    m.eval()
-    with torch.no_grad():
-        want = m(x)
-    torch.save(m.state_dict(), tmp_path / "ck.pth")
-    r = amct.restore_compressed_retrain_model(FixedWidth(), x, str(cfg), str(tmp_path / "r.txt"),
-                                              str(tmp_path / "ck.pth"))
-    r.eval()
-    with torch.no_grad():
-        assert torch.equal(r(x), want)
+    sgd_steps(m, x, steps=2, lr=0.01)
+    rec = str(tmp_path / "r.txt")
+    r = restores_the_same(m, lambda ck: amct.restore_compressed_retrain_model(FixedWidth(), x, str(cfg), rec, ck),
+                          x, tmp_path / "ck.pth")
     amct.save_compressed_retrain_model(r, str(tmp_path / "r.txt"), str(tmp_path / "m"), x)
     assert (tmp_path / "m_deploy_model.onnx").is_file()
 

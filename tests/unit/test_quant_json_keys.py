@@ -7,32 +7,22 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 import openamct as amct
+from tests.small import ConvFc
 
 X = torch.randn(2, 3, 8, 8)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
-
-
 def _written(tmp_path) -> tuple[str, str]:
     path = str(tmp_path / "q.json")
-    amct.create_quant_retrain_config(path, Net(), X)
+    amct.create_quant_retrain_config(path, ConvFc(), X)
     with open(path, encoding="utf-8") as f:
         return path, f.read()
 
 
 def _create(tmp_path, path):
-    return amct.create_quant_retrain_model(path, Net(), str(tmp_path / "r.txt"), X)
+    return amct.create_quant_retrain_model(path, ConvFc(), str(tmp_path / "r.txt"), X)
 
 
 def test_the_written_config_is_accepted(tmp_path):

@@ -7,42 +7,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import openamct as amct
+from tests.small import HALF_FILTERS, INT8, TwoConvFc, write_cfg
 
-CFG = ("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-       "prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_ratio: 0.5 ascend_optimized: false } } }\n")
+CFG = INT8 + HALF_FILTERS
 X = torch.randn(2, 3, 8, 8)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv2(torch.relu(self.conv1(x)))).mean(dim=(2, 3)))
-
-
-def _net(seed: int) -> Net:
+def _net(seed: int) -> TwoConvFc:
     torch.manual_seed(seed)
-    return Net()
+    return TwoConvFc()
+
+
+def _stepped(tmp_path, seed: int):
+    """The model of ``seed`` created under CFG with record ``r.txt`` (the same path for every
+    seed), after one training forward."""
+    m = amct.create_compressed_retrain_model(_net(seed), X, write_cfg(tmp_path, CFG, "c.cfg"), str(tmp_path / "r.txt"))
+    m.train()
+    m(X)
+    return m
 
 
 def _pair(tmp_path):
-    (tmp_path / "c.cfg").write_text(CFG)
     rec = str(tmp_path / "r.txt")
-    a = amct.create_compressed_retrain_model(_net(0), X, str(tmp_path / "c.cfg"), rec)
-    a.train()
-    a(X)
+    a = _stepped(tmp_path, 0)
     torch.save(a.state_dict(), tmp_path / "a.pth")
     a_record = (tmp_path / "r.txt").read_text()
-    b = amct.create_compressed_retrain_model(_net(1), X, str(tmp_path / "c.cfg"), rec)  # same path
-    b.train()
-    b(X)
+    b = _stepped(tmp_path, 1)  # same record path
     b._openamct.flush()
     assert (tmp_path / "r.txt").read_text() != a_record  # b's choices: the case this test is about
     assert a.conv1.weight.shape == b.conv1.weight.shape
@@ -73,11 +65,8 @@ def test_save_refuses_to_overwrite_another_models_record(tmp_path):
 
 
 def test_a_checkpoint_without_the_digest_still_restores(tmp_path):
-    (tmp_path / "c.cfg").write_text(CFG)
     rec = str(tmp_path / "r.txt")
-    a = amct.create_compressed_retrain_model(_net(0), X, str(tmp_path / "c.cfg"), rec)
-    a.train()
-    a(X)
+    a = _stepped(tmp_path, 0)
     sd = {k: v for k, v in a.state_dict().items() if k != "openamct_decisions"}
     assert len(sd) == len(a.state_dict()) - 1
     torch.save(sd, tmp_path / "old.pth")

@@ -201,13 +201,8 @@ def test_a_weight_computed_in_the_scratch_is_the_folded_one(tmp_path, channel_wi
         assert torch.equal(q.compute(scratch), expected) and torch.equal(q.compute(), expected)
 
 
-class ReadsWeight(nn.Module):
+class ReadsWeight(Net):
     """HF ViT / T5 style: forward reads a layer's ``weight`` (its dtype) before calling it."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 8, bias=False)
 
     def forward(self, x):
         x = x.to(self.a.weight.dtype)

@@ -15,6 +15,7 @@ from torch import nn
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
 from tests.acceptance.conftest import INT8_CFG, write_cfg
+from tests.training import sgd_steps
 
 NM = "prune_config { n_out_of_m_pruner { l1_selective_prune { update_freq: 0 } } }\n"
 FILTER = "prune_config { filter_pruner { balanced_l2_norm_filter_prune { prune_ratio: 0.5 ascend_optimized: false } } }\n"
@@ -72,13 +73,7 @@ def test_subclass_with_own_forward_stays_float(tmp_path, caplog, extra):
         np.testing.assert_array_equal(SameConv.forward(model.same, stem_out).numpy(), out.numpy())
     assert same_before.shape == out.shape
 
-    opt = torch.optim.SGD(c.parameters(), lr=1e-2)
-    c.train()
-    for _ in range(2):
-        loss = c(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(c, x, steps=2, lr=1e-2)
     c.eval()
     with torch.no_grad():
         ref = c(x).numpy()

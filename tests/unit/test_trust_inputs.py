@@ -11,18 +11,7 @@ import torch
 from torch import nn
 
 import openamct as amct
-
-QUANT = "retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+from tests.small import ConvFc, one_step, write_cfg
 
 
 class Attention(nn.Module):
@@ -40,23 +29,9 @@ class Attention(nn.Module):
         return self.head(a + h).mean(dim=1)
 
 
-def _cfg(tmp_path) -> str:
-    path = tmp_path / "q.cfg"
-    path.write_text(QUANT)
-    return str(path)
-
-
-def _trained(tmp_path, model, x):
-    m = amct.create_compressed_retrain_model(model, x, _cfg(tmp_path), str(tmp_path / "r.txt"))
-    m.train()
-    m(*x) if isinstance(x, tuple) else m(x)
-    m.eval()
-    return m
-
-
 def test_save_creates_the_output_folder_as_the_quick_start_expects(tmp_path):
     x = torch.randn(2, 3, 8, 8)
-    m = _trained(tmp_path, Net(), x)
+    m = one_step(tmp_path, ConvFc(), x)
     prefix = tmp_path / "out" / "deeper" / "resnet"
     amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(prefix), x)
     names = sorted(os.listdir(tmp_path / "out" / "deeper"))
@@ -66,7 +41,7 @@ def test_save_creates_the_output_folder_as_the_quick_start_expects(tmp_path):
 
 def test_save_refuses_a_folder_path_that_is_a_file(tmp_path):
     x = torch.randn(2, 3, 8, 8)
-    m = _trained(tmp_path, Net(), x)
+    m = one_step(tmp_path, ConvFc(), x)
     (tmp_path / "blocker").write_text("not a folder")
     with pytest.raises(ValueError, match=r"save_path .*blocker.* is a file, not a folder"):
         amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "blocker" / "net"), x)
@@ -75,7 +50,7 @@ def test_save_refuses_a_folder_path_that_is_a_file(tmp_path):
 
 def test_save_with_input_data_of_the_wrong_shape_names_input_data(tmp_path):
     x = torch.randn(2, 3, 8, 8)
-    m = _trained(tmp_path, Net(), x)
+    m = one_step(tmp_path, ConvFc(), x)
     with pytest.raises(ValueError, match=r"^save_\*: input_data does not fit the model"):
         amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "net"), torch.randn(2, 5, 8, 8))
     assert not any(f.endswith(".onnx") for f in os.listdir(tmp_path))
@@ -84,7 +59,7 @@ def test_save_with_input_data_of_the_wrong_shape_names_input_data(tmp_path):
 def test_input_data_on_the_meta_device_is_refused_by_name(tmp_path):
     x = torch.randn(2, 3, 8, 8, device="meta")
     with pytest.raises(ValueError, match=r"input_data is on the meta device: give real sample values"):
-        amct.create_compressed_retrain_model(Net(), x, _cfg(tmp_path), str(tmp_path / "r.txt"))
+        amct.create_compressed_retrain_model(ConvFc(), x, write_cfg(tmp_path), str(tmp_path / "r.txt"))
     assert not (tmp_path / "r.txt").exists()
 
 
@@ -93,7 +68,7 @@ def test_multihead_attention_saves_and_runs_in_onnxruntime(tmp_path):
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8)
-    m = _trained(tmp_path, Attention(), x)
+    m = one_step(tmp_path, Attention(), x)
     amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "att"), x)
     fake, deploy = str(tmp_path / "att_fake_quant_model.onnx"), str(tmp_path / "att_deploy_model.onnx")
     with torch.no_grad():
@@ -112,7 +87,7 @@ def test_multihead_attention_saves_and_runs_in_onnxruntime(tmp_path):
 def test_multihead_attention_raises_no_create_warning(tmp_path, caplog):
     x = torch.randn(2, 5, 8)
     with caplog.at_level("WARNING"):
-        amct.create_compressed_retrain_model(Attention(), x, _cfg(tmp_path), str(tmp_path / "r.txt"))
+        amct.create_compressed_retrain_model(Attention(), x, write_cfg(tmp_path), str(tmp_path / "r.txt"))
     assert not [r for r in caplog.records if "MultiheadAttention" in r.getMessage()]
 
 
@@ -132,7 +107,7 @@ def test_transformer_encoder_layer_saves_and_matches_in_onnxruntime(tmp_path):
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8)
-    m = _trained(tmp_path, Encoder(), x)
+    m = one_step(tmp_path, Encoder(), x)
     amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "enc"), x)
     with torch.no_grad():
         want = m(x)
@@ -159,7 +134,7 @@ def test_a_nested_tuple_input_is_exported_as_inputs_not_constants(tmp_path):
 
     torch.manual_seed(0)
     x, y = torch.randn(3, 6), torch.randn(3, 6)
-    m = _trained(tmp_path, PairInput(), ((x, y),))
+    m = one_step(tmp_path, PairInput(), ((x, y),))
     amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "pair"), ((x, y),))
     x2, y2 = torch.randn(3, 6), torch.randn(3, 6)  # other values than the calibration batch
     with torch.no_grad():
