@@ -1,5 +1,5 @@
-"""36 timm families (one small random-weight member each, timm_families.TESTED) through the whole
-lifecycle (lifecycle.run) under INT8, and six of them under all three configs: create, a few SGD
+"""32 timm families (one small random-weight member each, timm_families.TESTED) through the whole
+lifecycle (lifecycle.run) under INT8, and four of them under all three configs: create, a few SGD
 steps, checkpoint, exact restore, save, both ONNX files in ONNX Runtime and the deploy file in
 OpenVINO. Known failures are xfail(strict) with the error they raise; the table
 (python -m tests.zoo.table timm) covers every family and config."""
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 from tests.zoo.timm_families import TESTED, build  # noqa: E402  (skips without timm)
 
-ALL_CONFIGS = ("ResNet-T", "ResNeSt", "TF-EfficientNet-Lite", "RepVGG", "StarNet", "ConvNeXt")
+ALL_CONFIGS = ("ResNet-T", "TF-EfficientNet-Lite", "RepVGG", "ConvNeXt")
 BN_ACT = ("removes no channel: every group stops at a functional batch_norm (timm's BatchNormAct2d calls "
           "F.batch_norm), which the channel-dependency analysis does not pass through (openamct/prune)")
 OPENVINO_CONST_CONV = ("OpenVINO fails to compile the deploy file ('contains empty child edge' at the quantized "
@@ -25,7 +25,7 @@ KNOWN = {
 }
 # family -> (median, worst) fake-vs-torch cosine bounds, where random-weight deep nets amplify
 # one-ulp quantizer flips (tests/zoo/test_zoo.py says why)
-FIDELITY = {"MobileViT": (0.98, 0.95), "VoVNet-ESE": (0.99, 0.98), "CoaT-Lite": (0.999, 0.98)}
+FIDELITY = {"MobileViT": (0.98, 0.95), "VoVNet-ESE": (0.99, 0.98)}
 
 
 @pytest.mark.parametrize(("family", "config"), cases(
