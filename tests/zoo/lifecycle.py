@@ -1,5 +1,6 @@
 """One zoo run: create -> a few SGD steps -> eval forward -> checkpoint -> restore (outputs
-equal) -> save -> ONNX Runtime runs both files. Returns the figures the zoo table reports."""
+equal) -> save -> restore again from the record save left (outputs equal) -> ONNX Runtime runs
+both files. Returns the figures the zoo table reports."""
 
 from __future__ import annotations
 
@@ -103,6 +104,12 @@ def run(build, config: str, folder: str) -> dict:
     assert np.array_equal(ref, again), "restore is not exact"
     prefix = os.path.join(folder, "m")
     amct.save_compressed_retrain_model(r, rec, prefix, inputs)
+    # The record as save left it restores the same model: a resumed job starts from that file.
+    resumed = amct.restore_compressed_retrain_model(build()[0], inputs, cfg, rec, ckpt, "state_dict")
+    resumed.eval()
+    with torch.no_grad():
+        assert np.array_equal(ref, first_tensor(resumed(**inputs)).numpy()), "restore from the saved record"
+    del resumed
     batches = _batches(inputs)
     with torch.no_grad():
         refs = [first_tensor(r(**b)).numpy() for b in batches]
