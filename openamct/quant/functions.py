@@ -112,7 +112,10 @@ def fake_quant_per_tensor(x: Tensor, scale, zero_point, qmin: int = QMIN, qmax: 
             return torch.fake_quantize_per_tensor_affine(x, scale, zero_point.to(torch.int32), qmin, qmax)
         y = torch.mul(x, torch.reciprocal(scale))
         y.round_()
-        y.clamp_(qmin - zero_point, qmax - zero_point)
+        # clamp_ with tensor bounds runs a scalar loop on the CPU; maximum/minimum against a
+        # 0-dim tensor vectorise (the same values, NaN included).
+        torch.maximum(y, qmin - zero_point, out=y)
+        torch.minimum(y, qmax - zero_point, out=y)
         return y.mul_(scale)
     if not _composite_ok(x):
         return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, qmin, qmax)
@@ -172,20 +175,21 @@ class ULQActFunction(Function):
         with _no_autocast(x):
             g = g.to(x.dtype)
             y_lo, y_hi = (fmt.qmin - zp) * s, (fmt.qmax - zp) * s  # float32, as the scalar code rounded them
-            # sat: +1 above y_hi, -1 below y_lo, 0 in range (read from the clamp, so every pass
-            # takes the bounds as tensors and none is a masked select).
-            x_c = torch.clamp(x, y_lo, y_hi)
-            sat = torch.sub(x, x_c).sign_()
-            mag = sat.abs()
-            gx = torch.addcmul(g, g, mag, value=-1.0)  # g in range, 0 outside
+            # Few full-size temporaries: on the CPU each new one costs its first-touch page faults
+            # more than the arithmetic. clamp with tensor bounds is a scalar loop there, so the
+            # bounds are applied with maximum/minimum against 0-dim tensors.
+            x_c = torch.maximum(x, y_lo)
+            torch.minimum(x_c, y_hi, out=x_c)
+            gx = g.masked_fill(torch.ne(x_c, x), 0.0)  # g in range, 0 outside
             grad_max = grad_min = None
             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-                # y - x in range (y = fake_quant(x_c), the same values there); 0 outside, where
-                # x_c sits on the outermost level, so g needs no mask in this dot.
-                y = torch.mul(x_c, torch.reciprocal(s)).round_().mul_(s)
-                s_in = torch.dot(y.sub_(x_c).reshape(-1), g.reshape(-1)) / (levels * s)
+                # y - x in range (y of the clamped input: finite even where x is inf); outside,
+                # where gx is 0, x_c sits on the outermost level and y - x_c is 0 anyway.
+                y = fake_quant_per_tensor(x_c, s, zp, fmt.qmin, fmt.qmax)
+                s_in = torch.dot(y.sub_(x_c).reshape(-1), gx.reshape(-1)) / (levels * s)
+                sat = x_c.sub_(x).neg_().sign_()  # +1 above y_hi, -1 below y_lo, 0 in range
                 g_diff = torch.dot(g.reshape(-1), sat.reshape(-1))  # g_up - g_lo
-                g_sum = torch.dot(g.reshape(-1), mag.reshape(-1))  # g_up + g_lo
+                g_sum = g.sum() - gx.sum()  # g_up + g_lo
                 g_up, g_lo = (g_sum + g_diff) / 2, (g_sum - g_diff) / 2
                 e_up = (torch.round(cmax / s) - cmax / s) / levels
                 grad_max = s_in + (1.0 + e_up) * g_up
