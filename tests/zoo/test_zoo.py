@@ -44,6 +44,22 @@ PRUNE_REACHES = {"ResNet", "ConvNeXt", "ConvNeXtV2", "MobileNetV1", "MobileNetV2
 # quantizer or a wrong scale is expected to move every batch (not checked on MobileViT yet).
 FIDELITY = {"MobileViT": (0.98, 0.95)}  # family -> (median, worst) cosine bounds
 
+# Deploy files OpenVINO runs differently from ONNX Runtime on some CPUs, while ORT's run of the
+# same file reproduces fake-quant: family -> (CPU flag, what was measured). The run is still
+# loaded, run and checked finite there; docs/limits.md lists it.
+OPENVINO_DIVERGES = {
+    "Wav2Vec2": ("amx_int8", "OpenVINO 2026.4 on a Xeon with AMX: cosine 0.70-0.78 to fake-quant in all three "
+                             "configs, where ORT gives 0.999+ (the same at the previous release of openamct)"),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -56,7 +72,8 @@ def test_zoo_lifecycle(tmp_path, family, config):
     assert r["fake_vs_torch"] >= median and r["fake_vs_torch_min"] >= worst, r
     # OpenVINO loads and runs every deploy file; where ORT's run reproduces fake-quant, so does it
     assert np.isfinite(r["openvino_vs_fake"]), r
-    if r["deploy_vs_fake"] >= 0.999:
+    diverges = family in OPENVINO_DIVERGES and OPENVINO_DIVERGES[family][0] in _cpu_flags()
+    if r["deploy_vs_fake"] >= 0.999 and not diverges:
         assert r["openvino_vs_fake"] >= 0.995, r
     if config.startswith("filter") and family in PRUNE_REACHES:
         assert r["removed_share"] >= 0.25, r
