@@ -37,7 +37,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from openamct.compressed.parts import LayerParts
-from openamct.config.rules import Family
+from openamct.config.rules import PRUNE, PRUNE_SKIPPED, Family, winning_block
 from openamct.config.specs import LayerPlan, Plan
 from openamct.formats import QuantFormat
 from openamct.graph.graph import Graph
@@ -116,6 +116,21 @@ class Technique:
         """None when this technique may touch the layer, else why not (for the plan's notes)."""
         return None if info.type in self.layer_types else f"{info.type} is not supported by {self.name}"
 
+
+    def prune_block(self, cfg, info: LayerInfo, notes: list[str]):
+        """The config block that asks this (pruning) technique to prune ``info``'s layer, by the
+        pruning priority rules, or None with the reason in ``notes`` (skipped, not eligible)."""
+        block, skipped = winning_block(cfg, PRUNE, info.name, info.type)
+        if block is None or not self.configured_by(block):
+            return None
+        if skipped:
+            notes.append(PRUNE_SKIPPED)
+            return None
+        why_not = self.eligible(info)
+        if why_not is not None:
+            notes.append(why_not)
+            return None
+        return block
     def planned(self, plan: Plan) -> list[LayerPlan]:
         """The layers the config selects for this technique."""
         return plan.selected(self.name)

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 
 from openamct.config.errors import ConfigError, locate
-from openamct.config.rules import PRUNE, PRUNE_SKIPPED, f32, prune_kind, winning_block
+from openamct.config.rules import PRUNE, f32, prune_kind
 from openamct.config.specs import FilterSpec
 from openamct.graph.layers import NEVER_CALLED
 from openamct.prune.group import BlockedGroup, PruneGroup
@@ -58,15 +58,8 @@ class FilterPruning(Technique):
         return None
 
     def layer_spec(self, cfg, info, api: str, notes: list[str]) -> FilterSpec | None:
-        block, skipped = winning_block(cfg, PRUNE, info.name, info.type)
-        if block is None or not self.configured_by(block):
-            return None
-        if skipped:
-            notes.append(PRUNE_SKIPPED)
-            return None
-        why_not = self.eligible(info)
-        if why_not is not None:
-            notes.append(why_not)
+        block = self.prune_block(cfg, info, notes)
+        if block is None:
             return None
         b = block.prune_config.filter_pruner.balanced_l2_norm_filter_prune
         return FilterSpec(ratio=f32(b.prune_ratio), ascend_optimized=bool(b.ascend_optimized))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from openamct.config.errors import ConfigError, locate
-from openamct.config.rules import PRUNE, PRUNE_SKIPPED, prune_kind, winning_block
+from openamct.config.rules import PRUNE, prune_kind
 from openamct.config.specs import NMSpec
 from openamct.record import attrs
 from openamct.record.mask_codec import bits_of_words, num_words, pack_mask, unpack_bits, unpack_rows
@@ -166,15 +166,8 @@ class Sparsity24(Technique):
         return None if ok else f"2:4: {why_not}"
 
     def layer_spec(self, cfg, info, api: str, notes: list[str]) -> NMSpec | None:
-        block, skipped = winning_block(cfg, PRUNE, info.name, info.type)
-        if block is None or not self.configured_by(block):
-            return None
-        if skipped:
-            notes.append(PRUNE_SKIPPED)
-            return None
-        why_not = self.eligible(info)
-        if why_not is not None:
-            notes.append(why_not)
+        block = self.prune_block(cfg, info, notes)
+        if block is None:
             return None
         return NMSpec(update_freq=int(block.prune_config.n_out_of_m_pruner.l1_selective_prune.update_freq))
 
