@@ -24,8 +24,8 @@ tensors are all on the CPU, so a model on CUDA or meta always runs the plain PyT
 - checkpoint load, ``checkpoint.load_into(load_parts=)`` (``attach.part_loader``): a
   memory-mapped checkpoint into a CPU model is copied a part at a time (``chunked_load.py``);
 - record write/read, ``record.file_io``'s ``fast`` (a ``FastText``; ``attach.RECORD_TEXT``, for
-  any device: the same bytes, only faster): records of ``LARGE_RECORD_BYTES`` and up are
-  printed and parsed by ``text_writer.py`` / ``text_reader.py``.
+  any device: the same bytes, only faster): records are printed by ``text_writer.py``, and
+  texts of ``LARGE_RECORD_BYTES`` and up parsed by ``text_reader.py``.
 
 No module-level mutable state: buffers belong to a ``LargeRuntime`` (one per compressed model)
 or to the call that made them (a recompute's workspace, a save's ``ZeroPages``).

@@ -18,7 +18,8 @@ from openamct.record.file_io import FastText
 __all__ = ["RECORD_TEXT", "at_build", "streamed_save", "part_loader"]
 
 # The record's fast printer and parser (``record.file_io.FastText``): every model, any device
-# (they give text_format's bytes and messages; only records of 1 MB and up take them).
+# (they give text_format's bytes and messages; every record is printed by the printer, texts
+# of 1 MB and up are parsed by the parser).
 RECORD_TEXT = FastText(print=text_writer.message_to_text, merge=text_reader.merge_or_decline)
 
 
