@@ -114,10 +114,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
-    own = ScaleOffsetRecord()
-    for technique, state in applied:
-        technique.to_record(state, layers, own)
-    keeper.decisions = decisions.of_record(techniques, own)
+    keeper.decisions = decisions.of_model(applied, layers)
     decisions.attach(work, keeper.decisions)
     large.at_build(work, keeper, layers)  # the large-model hooks (openamct/large/__init__.py)
     return work

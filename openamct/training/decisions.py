@@ -35,6 +35,16 @@ def of_record(techniques: Sequence[Technique], record: ScaleOffsetRecord) -> lis
     return out
 
 
+def of_model(applied: Sequence[tuple[Technique, object]], layers: dict[str, nn.Module]) -> list[tuple[str, int]]:
+    """The decisions of a model just built: only the techniques that have any write their
+    entries (a whole record, masks and scales included, would be built for nothing)."""
+    deciding = [(t, s) for t, s in applied if type(t).decisions is not Technique.decisions]
+    own = ScaleOffsetRecord()
+    for technique, state in deciding:
+        technique.to_record(state, layers, own)
+    return of_record([t for t, _ in deciding], own)
+
+
 def attach(model: nn.Module, decisions: list[tuple[str, int]]) -> None:
     if decisions:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
