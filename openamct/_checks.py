@@ -141,12 +141,7 @@ def save_paths(save_path: str) -> tuple[str, str]:
         folder, base = os.path.split(save_path)
         folder = folder or "."
         prefix = base + "_"
-    # A folder that does not exist yet is created when the files are written (pipeline.save),
-    # as a user pasting the quick start expects; a path through a file can never be one.
-    existing = folder
-    while existing and not os.path.exists(existing):
-        existing = os.path.dirname(existing.rstrip(os.sep)) if existing.rstrip(os.sep) else ""
-    if existing and not os.path.isdir(existing):
-        raise ValueError(f"save_path {save_path!r}: {existing!r} is a file, not a folder")
+    # A folder that does not exist yet is made when the files are written (pipeline.save); a
+    # path through a file is refused with the other output checks (output_paths.check_output).
     return (os.path.join(folder, f"{prefix}fake_quant_model.onnx"),
             os.path.join(folder, f"{prefix}deploy_model.onnx"))
