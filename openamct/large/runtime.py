@@ -10,6 +10,7 @@ A deep copy or a pickle of the model gets a fresh, empty runtime (buffers are ne
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -32,7 +33,9 @@ class LargeRuntime:
         """Whether ``layer`` (a CompressedLayer holding this runtime) computes ``x`` by the fused
         Linear (``fused_linear.takes_large_path``: CPU tensors, a Linear whose weight path is
         only a 2:4 mask and/or ARQ, an eager float forward)."""
-        return takes_large_path(layer, x)
+        # A compiled forward takes the plain path: the fused Linear's pools and locks are eager
+        # CPU machinery that a compiler cannot capture.
+        return not torch.compiler.is_compiling() and takes_large_path(layer, x)
 
     def forward(self, layer, x: Tensor) -> Tensor:
         """``layer``'s output for ``x`` where ``takes`` said so (``fused_linear.large_forward``)."""

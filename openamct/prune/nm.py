@@ -268,6 +268,20 @@ class NMSparsifier(nn.Module):
                 f"w: shape {list(w.shape)} does not match the sparsifier's weight_shape "
                 f"{list(self.weight_shape)}"
             )
+        if self.training and self._ready and self.update_freq == 0:
+            # No recompute can be due: only the device counter moves. The host count schedules
+            # recomputes alone, and a compiled forward must not read it (the compiler would guard
+            # on its value and recompile at every step).
+            self.step.add_(1)
+            if not torch.compiler.is_compiling():
+                self._step += 1
+        elif self.training or not self._ready:
+            self._count_batch(w)
+        return self.mask_bits
+
+    # Host bookkeeping that decides a recompute: compiled, it runs eagerly (a graph break).
+    @torch.compiler.disable
+    def _count_batch(self, w: Tensor) -> None:
         if self.training:
             if not self._ready or (self.update_freq > 0 and self._step % self.update_freq == 0):
                 self._recompute(w)
@@ -275,7 +289,6 @@ class NMSparsifier(nn.Module):
             self.step.fill_(self._step)
         elif not self._ready:
             self._recompute(w)
-        return self.mask_bits
 
     def _pieces(self) -> tuple[list[slice], int]:
         """Row slices a recompute may compute on their own, and the ``groups`` to compute each

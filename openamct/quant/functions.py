@@ -55,8 +55,15 @@ def graph_mode() -> bool:
                 or torch.compiler.is_exporting())
 
 
+def traced() -> bool:
+    """True while the code is captured, for export or by ``torch.compile``: host-side shortcuts
+    (caches keyed by tensor versions, numpy, hand-written CPU composites) must then give way to
+    plain tensor ops, which a capture records and a compiler fuses."""
+    return graph_mode() or torch.compiler.is_compiling()
+
+
 def _composite_ok(x: Tensor) -> bool:
-    return x.device.type == "cpu" and not graph_mode()
+    return x.device.type == "cpu" and not traced()
 
 
 def _f32(v: float) -> float:

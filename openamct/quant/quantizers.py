@@ -34,7 +34,8 @@ from openamct.quant.functions import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActULQ", "WeightARQ", "WeightULQ", "RangeObserver", "host_flag", "set_host_flag"]
+__all__ = ["ActULQ", "WeightARQ", "WeightULQ", "RangeObserver", "host_flag", "set_host_flag",
+           "forget_host_flags"]
 
 
 def _check_clip(name: str, value, sign: int) -> float:
@@ -54,6 +55,12 @@ def host_flag(module: nn.Module, name: str) -> bool:
     moved to another device keeps the value it had (a move does not change it)."""
     t = module._buffers[name]
     seen = module.__dict__.get("_host_" + name)
+    if seen is not None and torch.compiler.is_compiling():
+        # The compiler guards on the host copy (a Python bool) instead of reading the tensor:
+        # every writer of the buffer updates or drops the copy (``set_host_flag``,
+        # ``forget_host_flags``),
+        # and a changed copy fails the guard and recompiles.
+        return seen[2]
     if seen is not None:
         if seen[0] is t and seen[1] == t._version:
             return seen[2]
@@ -68,6 +75,13 @@ def set_host_flag(module: nn.Module, name: str, value: bool) -> bool:
     t = module._buffers[name]
     module.__dict__["_host_" + name] = (t, t._version, value)
     return value
+
+
+def forget_host_flags(module: nn.Module) -> None:
+    """Drop the host copies of ``module``'s flags, for writers that copy into the buffers
+    wholesale (a state-dict load, a rollback): the next ``host_flag`` reads the buffer."""
+    for key in [k for k in module.__dict__ if k.startswith("_host_")]:
+        del module.__dict__[key]
 
 
 def _check_format(fmt, symmetric: bool) -> QuantFormat:
@@ -126,12 +140,18 @@ class ActULQ(nn.Module):
         """``initialized`` without a device read in the steady state (``host_flag``)."""
         return host_flag(self, "initialized")
 
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        forget_host_flags(self)
+
     def forward(self, x: Tensor) -> Tensor:
         exporting = graph_mode()
         if not exporting and not self.is_initialized:
             self._init_step(x)
         fixed = self.fixed_min if exporting else host_flag(self, "fixed_min")
-        if exporting or x.is_inference():  # an inference tensor has no version to prove it unchanged
+        # An inference tensor has no version to prove it unchanged; a compiled forward keeps no
+        # host-side cache (the compiler removes the repeated computation itself).
+        if exporting or torch.compiler.is_compiling() or x.is_inference():
             return ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
         # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
         # first call's output serves the others, so the fake quant and its backward run once
@@ -293,6 +313,10 @@ class WeightULQ(_WeightQuant):
     def is_initialized(self) -> bool:
         """``initialized`` without a device read in the steady state (``host_flag``)."""
         return host_flag(self, "initialized")
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        forget_host_flags(self)
 
     def forward(self, w: Tensor) -> Tensor:
         if not graph_mode() and not self.is_initialized:

@@ -157,7 +157,7 @@ def unpack_bits(bits: Tensor, start: int, count: int) -> Tensor:
     """Elements ``[start, start + count)`` of a packed mask, as a flat bool tensor."""
     b0, b1 = start // 8, packed_size(start + count)
     chunk = bits[b0:b1]
-    if chunk.device.type == "cpu":
+    if chunk.device.type == "cpu" and not torch.compiler.is_compiling():
         flags = torch.from_numpy(np.unpackbits(chunk.numpy()))
     else:
         flags = (chunk.unsqueeze(-1) >> _SHIFTS.to(chunk.device)).bitwise_and_(1).reshape(-1)

@@ -88,6 +88,9 @@ class RecordKeeper:
             snap.restore()
             logger.debug("state of a forward that raised put back")
 
+    # The keeper's hooks are host bookkeeping (snapshots, counters, the bad-value guard's read):
+    # a compiled model runs them eagerly, one break before and one after its forward.
+    @torch.compiler.disable
     def before_forward(self, model: nn.Module, args, kwargs) -> None:
         from openamct.training.rollback import ForwardSnapshot
 
@@ -101,6 +104,7 @@ class RecordKeeper:
             self._trained = True
             self.training_forwards += 1
 
+    @torch.compiler.disable
     def after_forward(self, model: nn.Module, args, kwargs, output) -> None:
         if self._locating:
             return

@@ -25,7 +25,7 @@ from torch import nn
 
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
-from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, forget_host_flags
 from openamct.quant.residual import OutputQuantHook
 
 __all__ = ["ForwardSnapshot", "stateful_modules"]
@@ -100,6 +100,8 @@ def _put(m: nn.Module, state) -> None:
             t.copy_(v)
         else:  # WeightULQ's first init gives its scale the weight's channel count
             t.data = v
+    if isinstance(m, (ActULQ, WeightULQ)):
+        forget_host_flags(m)  # a compiled forward reads the host copies without a version check
 
 
 class ForwardSnapshot:
