@@ -160,7 +160,7 @@ class Sparsity24(Technique):
                               "give l1_selective_prune { n_out_of_m_type: M4N2 }")
 
     def eligible(self, info) -> str | None:
-        from openamct.prune.nm import nm_eligible
+        from openamct.prune.nm_layers import nm_eligible
 
         ok, why_not = nm_eligible(info.module)
         return None if ok else f"2:4: {why_not}"
@@ -188,7 +188,7 @@ class Sparsity24(Technique):
             if name not in planned:
                 raise ValueError(f"record_file holds a 2:4 mask for layer {name!r}, which the config does not "
                                  "sparsify in this model (record from another model or config?)")
-        from openamct.prune.nm import nm_axis, nm_groups
+        from openamct.prune.nm_layers import nm_axis, nm_groups
 
         for name, packed in state.masks.items():
             if packed is None:
