@@ -18,6 +18,7 @@ from openamct.api import (
     save_prune_retrain_model,
     save_quant_retrain_model,
 )
+from openamct.tensor_decompose import auto_decomposition, decompose_network
 
 __version__ = "0.1.0"
 
@@ -25,7 +26,7 @@ __all__ = [
     "create_prune_retrain_model", "restore_prune_retrain_model", "save_prune_retrain_model",
     "create_compressed_retrain_model", "restore_compressed_retrain_model", "save_compressed_retrain_model",
     "create_quant_retrain_config", "create_quant_retrain_model", "restore_quant_retrain_model",
-    "save_quant_retrain_model", "auto_channel_prune_search",
+    "save_quant_retrain_model", "auto_channel_prune_search", "auto_decomposition", "decompose_network",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -25,7 +25,8 @@ __all__ = ["check_output", "check_path_syntax", "same_file", "KINDS"]
 
 KINDS = {"record": "an openamct/AMCT record file (ScaleOffsetRecord text)",
          "onnx": "an ONNX model",
-         "quant_json": "a quant config JSON written by create_quant_retrain_config"}
+         "quant_json": "a quant config JSON written by create_quant_retrain_config",
+         "decompose_info": "a decomposition info JSON written by auto_decomposition"}
 
 
 def check_path_syntax(arg: str, path: str) -> str:
@@ -104,11 +105,13 @@ def _is_kind(path: str, kind: str) -> bool:
         except Exception:  # protobuf's DecodeError and friends
             return False
         return model.ir_version > 0 and model.HasField("graph")
-    if kind == "quant_json":
+    if kind in ("quant_json", "decompose_info"):
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
             return False
+        if kind == "decompose_info":  # a list of decomposed layers (upstream's format)
+            return isinstance(data, list) and all(isinstance(e, dict) and "ori_layer_info" in e for e in data)
         return isinstance(data, dict) and "version" in data
     raise ValueError(f"unknown output kind {kind!r}")
 

@@ -53,6 +53,7 @@ LAYERS = [
     ("checkpoint", "stats", "output_paths"),
     ("large",),  # wired in from above (pipeline) through named hooks: never imported below
     ("pipeline",),
+    ("tensor_decompose",),  # auto_decomposition / decompose_network: a model transform before create
     ("search",),
     ("api",),
     ("openamct",),
