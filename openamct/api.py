@@ -179,3 +179,26 @@ def auto_channel_prune_search(model, config, input_data, output_cfg, sensitivity
     check_type("output_cfg", output_cfg, str)
     check_type("budget", budget, str)
     return run_search(model, config, input_data, output_cfg, sensitivity, search_alg, budget)
+
+
+# -- deploy file variants --------------------------------------------------------------------------
+
+def dynamic_quantize_lstm(deploy_file, save_path):
+    """Write ``deploy_file`` (a deploy ONNX from save_*) to ``save_path`` with every LSTM as ONNX
+    Runtime's integer ``com.microsoft.DynamicQuantizeLSTM`` (same int8 weights and scales; input
+    and hidden state quantized per step by ORT). The result runs in ONNX Runtime only (not
+    OpenVINO); GRUs stay as they are (ORT has no integer GRU). docs/export.md compares the two.
+    Returns how many LSTMs were rewritten."""
+    check_type("deploy_file", deploy_file, str)
+    check_type("save_path", save_path, str)
+    check_path_syntax("deploy_file", deploy_file)
+    check_path_syntax("save_path", save_path)
+    import os
+
+    if not os.path.isfile(deploy_file):
+        raise ValueError(f"deploy_file {deploy_file!r} does not exist or is not a file")
+    if same_file(deploy_file, save_path):
+        raise ValueError(f"save_path {save_path!r} is deploy_file: write the rewritten model to another file")
+    from openamct.export.recurrent_onnx import dynamic_quantize_lstm as rewrite
+
+    return rewrite(deploy_file, save_path)

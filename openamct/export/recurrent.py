@@ -6,9 +6,10 @@
   recurrent matmul. It reproduces the trained model; its sequence length is the one of
   ``input_data`` (the loop is unrolled).
 - Deploy model (``RecurrentDeploy``): one ONNX ``LSTM``/``GRU`` node per layer (both directions
-  in one node) reading its weights as ``DequantizeLinear`` of int8 initializers (per row, i.e.
-  per gate and hidden unit, zero point 0), and its input through the layer's uint8
-  QuantizeLinear -> DequantizeLinear. Standard ONNX (opset 14+ LSTM/GRU, per-axis DQ): ONNX
+  in one node) reading its weights as ``DequantizeLinear`` of int8 initializers, one per gate
+  block (``<layer>.weight_ih_l0_g0_int8``..., ONNX's gate order), per row (one scale per gate and
+  hidden unit, zero point 0), concatenated to ONNX's [directions, rows, cols]; its input
+  through the layer's uint8 QuantizeLinear -> DequantizeLinear. Standard ONNX (opset 14+ LSTM/GRU, per-axis DQ): ONNX
   Runtime and OpenVINO run it, any sequence length. The hidden state is not quantized there (an
   ONNX LSTM has no hook between steps): the one departure from the fake-quant model.
   ``recurrent_onnx.dynamic_quantize_lstm`` rewrites its LSTMs into ORT's integer
@@ -92,15 +93,17 @@ class _RnnOp(Function):
 
     @staticmethod
     def forward(ctx, x, h0, c0, bias, mode: str, hidden: int, *wts):
-        dirs = len(wts) // 6
+        per = 3 * GATES[mode]  # (int8, scale, zero) per gate block
+        dirs = len(wts) // (2 * per)
         mod = SimpleNamespace(mode=mode, batch_first=False, bidirectional=dirs == 2, num_layers=1,
                               hidden_size=hidden, dropout=0.0, training=False)
         params = {}
         for d in range(dirs):
             sfx = "l0_reverse" if d else "l0"
-            wq, ws, _, rq, rs, _ = wts[6 * d:6 * d + 6]
-            params[f"weight_ih_{sfx}"] = _to_torch(wq[0].float() * ws[:, None], mode)
-            params[f"weight_hh_{sfx}"] = _to_torch(rq[0].float() * rs[:, None], mode)
+            for i, w in enumerate(("ih", "hh")):
+                blocks = wts[(2 * d + i) * per:(2 * d + i + 1) * per]
+                dq = torch.cat([q.float() * s[:, None] for q, s in zip(blocks[0::3], blocks[1::3])])
+                params[f"weight_{w}_{sfx}"] = _to_torch(dq, mode)
             if bias is not None:
                 b_ih, b_hh = bias[d].chunk(2)
                 params[f"bias_ih_{sfx}"], params[f"bias_hh_{sfx}"] = _to_torch(b_ih, mode), _to_torch(b_hh, mode)
@@ -110,12 +113,20 @@ class _RnnOp(Function):
 
     @staticmethod
     def symbolic(g, x, h0, c0, bias, mode: str, hidden: int, *wts):
-        dirs = len(wts) // 6
+        per = 3 * GATES[mode]
+        dirs = len(wts) // (2 * per)
+        axes = g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64))
         ws, rs = [], []
         for d in range(dirs):
-            wq, wsc, wz, rq, rsc, rz = wts[6 * d:6 * d + 6]
-            ws.append(g.op("DequantizeLinear", wq, wsc, wz, axis_i=1))
-            rs.append(g.op("DequantizeLinear", rq, rsc, rz, axis_i=1))
+            for i, out in enumerate((ws, rs)):
+                blocks = wts[(2 * d + i) * per:(2 * d + i + 1) * per]
+                # One DequantizeLinear per gate block, concatenated: OpenVINO keeps a
+                # DequantizeLinear feeding an op directly (or through an Unsqueeze) as a weight
+                # decompression, which its CPU LSTM/GRU refuse (they need constant weights); a
+                # Concat of them it folds to a constant at load.
+                dq = [g.op("DequantizeLinear", q, s, z, axis_i=0)
+                      for q, s, z in zip(blocks[0::3], blocks[1::3], blocks[2::3])]
+                out.append(g.op("Unsqueeze", g.op("Concat", *dq, axis_i=0), axes))
         w = ws[0] if dirs == 1 else g.op("Concat", *ws, axis_i=0)
         r = rs[0] if dirs == 1 else g.op("Concat", *rs, axis_i=0)
         b = _unused(g) if bias is None else bias
@@ -154,9 +165,12 @@ class RecurrentDeploy(nn.Module):
                         fmt = q.format
                         grid = torch.round(layer.quantized_weight(name).detach().float() / s[:, None])
                         grid = grid.clamp(fmt.qmin, fmt.qmax).to(torch.int8)
-                        self.register_buffer(f"{name}_int8", _to_onnx(grid, self.mode).unsqueeze(0).contiguous())
-                        self.register_buffer(f"{name}_scale", _to_onnx(s, self.mode).contiguous())
-                        self.register_buffer(f"{name}_zero", torch.zeros(s.shape, dtype=torch.int8))
+                        blocks = zip(_to_onnx(grid, self.mode).chunk(GATES[self.mode]),
+                                     _to_onnx(s, self.mode).chunk(GATES[self.mode]))
+                        for j, (qj, sj) in enumerate(blocks):  # ONNX's gate order
+                            self.register_buffer(f"{name}_g{j}_int8", qj.contiguous())
+                            self.register_buffer(f"{name}_g{j}_scale", sj.contiguous())
+                            self.register_buffer(f"{name}_g{j}_zero", torch.zeros(sj.shape, dtype=torch.int8))
                 if self.bias:
                     b = [torch.cat([_to_onnx(getattr(layer, f"bias_{w}_l{k}{'_reverse' if d else ''}").detach(),
                                              self.mode) for w in ("ih", "hh")]) for d in range(dirs)]
@@ -174,7 +188,8 @@ class RecurrentDeploy(nn.Module):
             for d in range(dirs):
                 sfx = f"l{k}{'_reverse' if d else ''}"
                 for w in ("ih", "hh"):
-                    wts += [getattr(self, f"weight_{w}_{sfx}_{part}") for part in ("int8", "scale", "zero")]
+                    wts += [getattr(self, f"weight_{w}_{sfx}_g{j}_{part}") for j in range(GATES[self.mode])
+                            for part in ("int8", "scale", "zero")]
             rows = slice(k * dirs, (k + 1) * dirs)
             out = _RnnOp.apply(self.x_pre[f"l{k}"](x), None if h0 is None else h0[rows],
                                None if c0 is None else c0[rows], getattr(self, f"bias_l{k}", None),

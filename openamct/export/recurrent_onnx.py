@@ -22,33 +22,39 @@ DOMAIN = "com.microsoft"
 
 
 def _dq_weights(nodes_by_out: dict, inits: dict, name: str) -> tuple[np.ndarray, np.ndarray, list] | None:
-    """(int8 [D, rows, cols], scales [D, rows], nodes to drop) of a weight read as
-    DequantizeLinear(int8, per row) or a Concat of one per direction; None otherwise."""
+    """(int8 [D, rows, cols], scales [D, rows], nodes to drop) of a weight as the deploy writer
+    reads it: per direction, Unsqueeze(Concat(DequantizeLinear(int8 [gate rows, cols], per row)
+    per gate block)), and a Concat of the directions; None for anything else."""
     node = nodes_by_out.get(name)
     if node is None:
         return None
-    parts = [node] if node.op_type == "DequantizeLinear" else None
-    drop = [node]
-    if node.op_type == "Concat":
-        parts = [nodes_by_out.get(i) for i in node.input]
-        drop += parts
-    if not parts or any(p is None or p.op_type != "DequantizeLinear" for p in parts):
-        return None
+    heads = [nodes_by_out.get(i) for i in node.input] if node.op_type == "Concat" else [node]
+    drop = [node] if node.op_type == "Concat" else []
     qs, ss = [], []
-    for p in parts:
-        if any(i not in inits for i in p.input[:3]):
+    for head in heads:
+        cat = None if head is None or head.op_type != "Unsqueeze" else nodes_by_out.get(head.input[0])
+        if cat is None or cat.op_type != "Concat":
             return None
-        q, s, z = (numpy_helper.to_array(inits[i]) for i in p.input[:3])
-        if q.dtype != np.int8 or q.ndim != 3 or np.any(z != 0):
-            return None
-        qs.append(q)
-        ss.append(np.broadcast_to(s, (q.shape[1],)))
-    return np.concatenate(qs), np.stack(ss).astype(np.float32), drop
+        parts = [nodes_by_out.get(i) for i in cat.input]
+        drop += [head, cat, *parts]
+        q_rows, s_rows = [], []
+        for p in parts:
+            if p is None or p.op_type != "DequantizeLinear" or any(i not in inits for i in p.input[:3]):
+                return None
+            q, sc, z = (numpy_helper.to_array(inits[i]) for i in p.input[:3])
+            if q.dtype != np.int8 or q.ndim != 2 or np.any(z != 0):
+                return None
+            q_rows.append(q)
+            s_rows.append(np.broadcast_to(sc, (q.shape[0],)))
+        qs.append(np.concatenate(q_rows))
+        ss.append(np.concatenate(s_rows))
+    return np.stack(qs), np.stack(ss).astype(np.float32), drop
 
 
 def dynamic_quantize_lstm(src: str, dst: str) -> int:
     """Write ``src`` (a deploy ONNX file) to ``dst`` with every LSTM whose weights are int8
-    DequantizeLinear initializers replaced by ``DynamicQuantizeLSTM``; returns how many."""
+    DequantizeLinear initializers replaced by ``DynamicQuantizeLSTM``; returns how many (a
+    ValueError, nothing written, when there is none)."""
     model = onnx.load(src)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -75,6 +81,9 @@ def dynamic_quantize_lstm(src: str, dst: str) -> int:
         node.attribute.extend(n.attribute)
         replaced[id(n)] = node
         done += 1
+    if not done:
+        raise ValueError(f"deploy_file {src!r} has no LSTM reading int8 DequantizeLinear weights (an openamct "
+                         "deploy file with a quantized LSTM); GRUs have no integer ORT op")
     for n in g.node:
         if id(n) in dropped:
             continue

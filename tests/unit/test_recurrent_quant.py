@@ -13,7 +13,6 @@ from torch import nn
 
 import openamct as amct
 from openamct.compressed.recurrent import RecurrentLayer
-from openamct.export.recurrent_onnx import dynamic_quantize_lstm
 from tests.small import HALF_FILTERS, INT8, restores_the_same, write_cfg
 
 
@@ -96,10 +95,11 @@ def test_create_train_restore_save(tmp_path, case):
     inits = {i.name: i for i in deploy.graph.initializer}
     rnn_node = next(n for n in deploy.graph.node if n.op_type == op)
     w_src = next(n for n in deploy.graph.node if rnn_node.input[1] in n.output)
-    while w_src.op_type == "Concat":  # bidirectional: one DequantizeLinear per direction
+    while w_src.op_type in ("Concat", "Unsqueeze"):  # directions, then gate blocks
         w_src = next(n for n in deploy.graph.node if w_src.input[0] in n.output)
     assert w_src.op_type == "DequantizeLinear"
     assert inits[w_src.input[0]].data_type == onnx.TensorProto.INT8
+    assert list(inits[w_src.input[0]].dims) == [12, 6]  # one gate block of weight_ih_l0: [hidden, features]
     got = _ort(deploy_path, x)
     assert _cos(got, want) >= 0.999, _cos(got, want)  # the hidden state is float in the deploy model
 
@@ -173,7 +173,17 @@ def test_dynamic_quantize_lstm_rewrite(tmp_path):
     amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "out"), x)
     src = str(tmp_path / "out_deploy_model.onnx")
     dst = str(tmp_path / "dyn.onnx")
-    assert dynamic_quantize_lstm(src, dst) == 1
+    assert amct.dynamic_quantize_lstm(src, dst) == 1
     ops = {n.op_type for n in onnx.load(dst).graph.node}
     assert "DynamicQuantizeLSTM" in ops and "LSTM" not in ops
     assert _cos(_ort(dst, x), _ort(src, x)) >= 0.999
+
+
+def test_dynamic_quantize_lstm_refuses_a_file_without_lstm(tmp_path):
+    _, m, x = _trained(tmp_path, nn.GRU, {})
+    amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "out"), x)
+    with pytest.raises(ValueError, match="no LSTM"):
+        amct.dynamic_quantize_lstm(str(tmp_path / "out_deploy_model.onnx"), str(tmp_path / "dyn.onnx"))
+    assert not (tmp_path / "dyn.onnx").exists()
+    with pytest.raises(ValueError, match="does not exist"):
+        amct.dynamic_quantize_lstm(str(tmp_path / "missing.onnx"), str(tmp_path / "dyn.onnx"))
