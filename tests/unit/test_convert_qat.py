@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import openamct as amct
-from openamct.nn.module.quantization import Conv2dQAT, LinearQAT
+from openamct.nn.module.quantization import Conv2dQAT, Conv3dQAT, LinearQAT
 
 DATA = {"fixed_min": True}
 
@@ -131,3 +131,23 @@ def test_dynamo_export_converts_the_same(trained, tmp_path):
     for kind in ("fake_quant", "deploy"):
         a, b = (_run(str(tmp_path / f"{n}_{kind}_model.onnx"), x) for n in ("ts", "dy"))
         assert np.array_equal(a, b), kind
+
+
+def test_conv3d_single_op_deploys_as_qlinearconv(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(Conv3dQAT.from_float(nn.Conv3d(3, 8, 3, padding=1)), nn.BatchNorm3d(8), nn.ReLU(),
+                        Conv3dQAT(8, 8, (1, 3, 3), padding=(0, 1, 1), config={"retrain_data_config": DATA}),
+                        nn.ReLU(), Conv3dQAT(8, 4, 1, config={"retrain_data_config": DATA}))
+    x = torch.randn(2, 3, 4, 8, 8)
+    opt = torch.optim.SGD(net.parameters(), 0.01)
+    for _ in range(2):
+        loss = net(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    net.eval()
+    amct.save_quant_retrain_model("c.json", net, "r.txt", str(tmp_path / "v"), (x,))
+    ref = net(x).detach().numpy()
+    assert np.abs(_run(str(tmp_path / "v_fake_quant_model.onnx"), x) - ref).max() <= 1e-5 * np.abs(ref).max()
+    # the last conv's output is the model's: float, as in the graph flow
+    assert _kernels(str(tmp_path / "v_deploy_model.onnx"), tmp_path).count("QLinearConv") == 2
