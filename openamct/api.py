@@ -157,11 +157,30 @@ def restore_quant_retrain_model(config_file, model, record_file, input_data, pth
 
 def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,
                              output_names=None, dynamic_axes=None):
-    """Write the fake-quant and deploy ONNX models of a QAT model."""
+    """Write the fake-quant and deploy ONNX models of a QAT model: one returned by
+    create/restore_quant_retrain_model, or one holding single-op QAT modules
+    (``openamct.nn.module.quantization``), which is exported and converted as
+    ``convert_qat_model`` converts its ONNX (``config_file`` and ``record_file`` are then
+    unused: the modules carry their own config, and there is no record)."""
+    from openamct.nn.convert import holds_qat_modules, save_qat_model
+
     check_type("config_file", config_file, str)
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
                         config_file)
+    if getattr(model, "_openamct", None) is None and holds_qat_modules(model):
+        logger.info("save_quant_retrain_model: single-op QAT modules: config_file and record_file are not read")
+        save_qat_model(model, save_path, input_data, input_names, output_names, dynamic_axes)
+        return
     pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+
+
+def convert_qat_model(model_file, save_path):
+    """Read ``model_file``, an ONNX exported with ``torch.onnx.export`` from a model holding
+    single-op QAT modules, and write ``{save_path}_fake_quant_model.onnx`` and
+    ``{save_path}_deploy_model.onnx``."""
+    from openamct.nn.convert import convert_qat_model as convert
+
+    convert(model_file, save_path)
 
 
 # -- channel-prune search --------------------------------------------------------------------------
