@@ -158,11 +158,22 @@ class RecurrentLayer(nn.Module):
         for k in HYPER:
             setattr(self, k, getattr(module, k))
         self.proj_size = 0
-        self.suffixes = cell_suffixes(self.num_layers, self.bidirectional)
         for name, p in module.named_parameters(recurse=False):
             self.register_parameter(name, p)
-        # Layer 0's input quantizer is the one the technique made (it may be shared with other
-        # readers of that tensor); deeper layers' inputs and every hidden state get their own.
+        self.attach_quantizers(act_quant, wts_quant)
+        self.train(module.training)
+
+    def attach_quantizers(self, act_quant: ActULQ | None, wts_quant: nn.Module | None) -> None:
+        """Add the quantizers (module docstring) to this layer, whose hyper-parameters and
+        weights are set. Layer 0's input quantizer is ``act_quant`` (it may be shared with other
+        readers of that tensor); deeper layers' inputs and every hidden state get their own,
+        with its settings; each weight a copy of ``wts_quant``. None and None: no quantizer."""
+        self.suffixes = cell_suffixes(self.num_layers, self.bidirectional)
+        self.sparsity = None  # nothing else than quantization compresses a recurrent layer
+        self.large = None
+        if act_quant is None:
+            self.x_quant, self.h_quant, self.wts_quant = nn.ModuleDict(), nn.ModuleDict(), nn.ModuleDict()
+            return
         hq = {s: ActULQ(fixed_min=False, batch_num=act_quant.batch_num, fmt=act_quant.format) for s in self.suffixes}
         xq = {"l0": act_quant}
         for k in range(1, self.num_layers):
@@ -178,9 +189,9 @@ class RecurrentLayer(nn.Module):
                 q.init_from(getattr(self, name).detach())
             wq[name] = q
         self.wts_quant = nn.ModuleDict(wq)
-        self.sparsity = None  # nothing else than quantization compresses a recurrent layer
-        self.large = None
-        self.train(module.training)
+        device = getattr(self, self.weight_names()[0]).device
+        for m in (self.x_quant, self.h_quant, self.wts_quant):
+            m.to(device)
 
     @classmethod
     def from_parts(cls, module: nn.Module, parts: LayerParts) -> RecurrentLayer:
@@ -197,9 +208,9 @@ class RecurrentLayer(nn.Module):
         return [f"weight_{w}_{s}" for s in self.suffixes for w in ("ih", "hh")]
 
     @property
-    def act_quant(self) -> ActULQ:
+    def act_quant(self) -> ActULQ | None:
         """The input quantizer (layer 0's), as a CompressedLayer names it."""
-        return self.x_quant["l0"]
+        return self.x_quant["l0"] if "l0" in self.x_quant else None
 
     def quantizers_pending(self) -> bool:
         """True until every activation quantizer has its clips."""

@@ -148,11 +148,15 @@ class _RnnOp(Function):
 class RecurrentDeploy(nn.Module):
     """The deploy model's form of a RecurrentLayer (module docstring)."""
 
-    def __init__(self, layer: RecurrentLayer) -> None:
+    def __init__(self, layer: RecurrentLayer, x_pre: nn.ModuleDict | None = None) -> None:
+        """``x_pre``: the input quantizers' export form, per layer ("l0"...); by default the
+        deploy model's uint8 ``QDQAct``."""
         super().__init__()
         for k in HYPER:
             setattr(self, k, getattr(layer, k))
-        self.x_pre = nn.ModuleDict({k: QDQAct(*q.scale_offset(), q.format) for k, q in layer.x_quant.items()})
+        if x_pre is None:
+            x_pre = nn.ModuleDict({k: QDQAct(*q.scale_offset(), q.format) for k, q in layer.x_quant.items()})
+        self.x_pre = x_pre
         dirs = 1 + int(self.bidirectional)
         with torch.no_grad():
             for k in range(self.num_layers):

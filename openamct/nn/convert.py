@@ -37,6 +37,7 @@ from openamct.export.export_layer import inputs_on_cpu, working_copy
 from openamct.export.ids import SAVE_ID_KEY, hash_model
 from openamct.export.writer import export_to_file, write_onnx
 from openamct.nn.module.quantization.base import QATLayer
+from openamct.nn.module.quantization.rnn_qat_base import RecurrentQAT
 from openamct.nn.qat_onnx import (
     OnnxQatLayer,
     QatGraph,
@@ -192,15 +193,16 @@ def convert_qat_model(model_file: str, save_path: str) -> None:
 
 
 def holds_qat_modules(model: nn.Module) -> bool:
-    return any(isinstance(m, QATLayer) and m.act_quant is not None for m in model.modules())
+    return any(isinstance(m, (QATLayer, RecurrentQAT)) and m.act_quant is not None for m in model.modules())
 
 
 def save_qat_model(model: nn.Module, save_path: str, input_data: Any, input_names=None, output_names=None,
                    dynamic_axes=None) -> tuple[str, str]:
     """The one-call path: export ``model`` (holding QAT modules; left as it was) as
     ``convert_qat_model`` reads it, then convert, without an intermediate file of the caller's."""
-    pending = [n for n, m in model.named_modules() if isinstance(m, QATLayer) and m.act_quant is not None
-               and not bool(m.act_quant.initialized)]
+    pending = [n for n, m in model.named_modules() if (isinstance(m, QATLayer) and m.act_quant is not None
+               and not bool(m.act_quant.initialized))
+               or (isinstance(m, RecurrentQAT) and m.act_quant is not None and m.quantizers_pending())]
     if pending:
         raise ValueError(f"the input quantizers of {len(pending)} QAT layer(s) ({', '.join(pending[:4])}) are not "
                          "initialised yet: run the model on real data first (clips are set from the first "
