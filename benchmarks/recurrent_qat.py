@@ -6,7 +6,9 @@ Prints: FP32 and QAT accuracies (torch, fake-quant ONNX, deploy ONNX, and the de
 rewritten to ORT's ``DynamicQuantizeLSTM``), the cosine of the fake-quant ONNX's logits to the
 torch QAT model's, and ORT latency of the FP32 export vs both deploy forms at batch 1 and 32
 (interleaved round robin, median of blocks; ``--threads`` intra-op threads). Test set: the
-demo's 1,000 held-out digits. About 3-4 minutes on 2 cores.
+demo's 1,000 held-out digits. About 5 minutes on a quiet 2-core machine (FP32 training 2.3
+minutes, QAT 3: the quantized recurrence runs step by step in Python); docs/export.md has the
+figures.
 
 Usage: python benchmarks/recurrent_qat.py [--hidden 128] [--epochs 8] [--qat-epochs 2] [--runs 60]
 """
