@@ -7,10 +7,12 @@ import logging
 
 from openamct.api import (
     auto_channel_prune_search,
+    convert_qat_model,
     create_compressed_retrain_model,
     create_prune_retrain_model,
     create_quant_retrain_config,
     create_quant_retrain_model,
+    dynamic_quantize_lstm,
     restore_compressed_retrain_model,
     restore_prune_retrain_model,
     restore_quant_retrain_model,
@@ -27,6 +29,7 @@ __all__ = [
     "create_compressed_retrain_model", "restore_compressed_retrain_model", "save_compressed_retrain_model",
     "create_quant_retrain_config", "create_quant_retrain_model", "restore_quant_retrain_model",
     "save_quant_retrain_model", "auto_channel_prune_search", "auto_decomposition", "decompose_network",
+    "convert_qat_model", "dynamic_quantize_lstm",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -157,11 +157,30 @@ def restore_quant_retrain_model(config_file, model, record_file, input_data, pth
 
 def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,
                              output_names=None, dynamic_axes=None):
-    """Write the fake-quant and deploy ONNX models of a QAT model."""
+    """Write the fake-quant and deploy ONNX models of a QAT model: one returned by
+    create/restore_quant_retrain_model, or one holding single-op QAT modules
+    (``openamct.nn.module.quantization``), which is exported and converted as
+    ``convert_qat_model`` converts its ONNX (``config_file`` and ``record_file`` are then
+    unused: the modules carry their own config, and there is no record)."""
+    from openamct.nn.convert import holds_qat_modules, save_qat_model
+
     check_type("config_file", config_file, str)
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
                         config_file)
+    if getattr(model, "_openamct", None) is None and holds_qat_modules(model):
+        logger.info("save_quant_retrain_model: single-op QAT modules: config_file and record_file are not read")
+        save_qat_model(model, save_path, input_data, input_names, output_names, dynamic_axes)
+        return
     pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+
+
+def convert_qat_model(model_file, save_path):
+    """Read ``model_file``, an ONNX exported with ``torch.onnx.export`` from a model holding
+    single-op QAT modules, and write ``{save_path}_fake_quant_model.onnx`` and
+    ``{save_path}_deploy_model.onnx``."""
+    from openamct.nn.convert import convert_qat_model as convert
+
+    convert(model_file, save_path)
 
 
 # -- channel-prune search --------------------------------------------------------------------------
@@ -179,3 +198,26 @@ def auto_channel_prune_search(model, config, input_data, output_cfg, sensitivity
     check_type("output_cfg", output_cfg, str)
     check_type("budget", budget, str)
     return run_search(model, config, input_data, output_cfg, sensitivity, search_alg, budget)
+
+
+# -- deploy file variants --------------------------------------------------------------------------
+
+def dynamic_quantize_lstm(deploy_file, save_path):
+    """Write ``deploy_file`` (a deploy ONNX from save_*) to ``save_path`` with every LSTM as ONNX
+    Runtime's integer ``com.microsoft.DynamicQuantizeLSTM`` (same int8 weights and scales; input
+    and hidden state quantized per step by ORT). The result runs in ONNX Runtime only (not
+    OpenVINO); GRUs stay as they are (ORT has no integer GRU). docs/export.md compares the two.
+    Returns how many LSTMs were rewritten."""
+    check_type("deploy_file", deploy_file, str)
+    check_type("save_path", save_path, str)
+    check_path_syntax("deploy_file", deploy_file)
+    check_path_syntax("save_path", save_path)
+    import os
+
+    if not os.path.isfile(deploy_file):
+        raise ValueError(f"deploy_file {deploy_file!r} does not exist or is not a file")
+    if same_file(deploy_file, save_path):
+        raise ValueError(f"save_path {save_path!r} is deploy_file: write the rewritten model to another file")
+    from openamct.export.recurrent_onnx import dynamic_quantize_lstm as rewrite
+
+    return rewrite(deploy_file, save_path)

@@ -38,7 +38,7 @@ class LayerType:
     @property
     def matrix(self) -> bool:
         """A matrix layer (Linear-like: features on the last axis of its input)."""
-        return self.spatial == 0
+        return self.spatial == 0 and not self.recurrent
 
     def matches(self, cls: type) -> bool:
         if self.cls is not None:
@@ -46,6 +46,9 @@ class LayerType:
         return any(c.__name__ == self.name and c.__module__.startswith(self.package) for c in cls.__mro__)
 
     package: str = ""  # where a class matched by name lives
+    # An LSTM/GRU: quantized only (``compressed.recurrent``); channel pruning and 2:4 never
+    # touch it, and pruning groups end at it.
+    recurrent: bool = False
 
 
 LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
@@ -59,11 +62,14 @@ LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
     LayerType("Linear", nn.Linear, "Gemm", 0, False, nm=True, filter="active"),
     # Hugging Face's GPT-2 style projection: a Linear whose weight is stored [in, out].
     LayerType("Conv1D", None, "Gemm", 0, True, nm=True, filter="active", package="transformers"),
+    LayerType("LSTM", nn.LSTM, "LSTM", 0, False, nm=False, filter="", recurrent=True),
+    LayerType("GRU", nn.GRU, "GRU", 0, False, nm=False, filter="", recurrent=True),
 )}
 
 NM_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.nm)
 FILTER_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.filter == "active")
 ALL_TYPES = tuple(LAYER_TYPES)
+RECURRENT_TYPES = tuple(n for n, t in LAYER_TYPES.items() if t.recurrent)
 
 # Modules channel pruning slices along with a layer but never decides for (BatchNorm follows its conv).
 BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -80,6 +86,13 @@ def layer_type_of(module: nn.Module) -> LayerType | None:
     for t in LAYER_TYPES.values():
         if t.matches(cls):
             return t
+    return None
+
+
+def unsupported_recurrent(module: nn.Module) -> str | None:
+    """Why an LSTM/GRU cannot be compressed at all (it stays float), or None."""
+    if getattr(module, "proj_size", 0):
+        return f"LSTM with proj_size={module.proj_size} (a projected hidden state) is not supported"
     return None
 
 

@@ -20,6 +20,8 @@ from torch import nn
 
 from openamct.checkpoint import load_into
 from openamct.compressed.layer import CompressedLayer
+from openamct.compressed.recurrent import RecurrentLayer
+from openamct.compressed.wrap import is_wrapped, wrap_layer
 from openamct.config.source import load_plan
 from openamct.config.specs import Plan
 from openamct.graph.capture import capture_graph
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def is_compressed(model: nn.Module) -> bool:
-    return hasattr(model, "_openamct") or any(isinstance(m, CompressedLayer) for m in model.modules())
+    return hasattr(model, "_openamct") or any(is_wrapped(m) for m in model.modules())
 
 
 @dataclass
@@ -106,7 +108,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         logger.info("%s: %s applied", "restore" if restoring else "create", technique.name)
     layers = {}
     for name, parts in ctx.parts.items():
-        layers[name] = CompressedLayer.from_parts(work.get_submodule(name), parts)
+        layers[name] = wrap_layer(work.get_submodule(name), parts)
         if parts.act_quant is not None and not getattr(parts.act_quant, "layer_name", "x"):
             parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
@@ -162,7 +164,8 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
 
 def uninitialised_layers(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules()
-            if isinstance(m, CompressedLayer) and m.act_quant is not None and not bool(m.act_quant.initialized)]
+            if (isinstance(m, CompressedLayer) and m.act_quant is not None and not bool(m.act_quant.initialized))
+            or (isinstance(m, RecurrentLayer) and m.quantizers_pending())]
 
 
 def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | None,

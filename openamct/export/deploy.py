@@ -50,6 +50,7 @@ from openamct.export.export_layer import (
     per_channel_view,
 )
 from openamct.export.onnx_graph import OnnxGraph
+from openamct.export.recurrent import fold_recurrent
 from openamct.formats import INT8_WEIGHT
 from openamct.quant.covering_pool import fold_pools
 from openamct.techniques.base import ExportParts, Technique
@@ -92,6 +93,7 @@ def fold_deploy(model: nn.Module, techniques: Sequence[Technique], defer=None) -
         return extras
 
     found = fold_layers(model, build, techniques, defer)
+    fold_recurrent(model)  # LSTM/GRU: DequantizeLinear of int8 weights -> ONNX LSTM/GRU (export/recurrent.py)
     fold_activations(model, QDQAct)
     fold_pools(model)
     return {f"{n}.{model.get_submodule(n)._wname}": p.output_range for n, p in found.items()

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
 from openamct.export.export_layer import fold_activations, fold_layers
+from openamct.export.recurrent import fold_recurrent
 from openamct.formats import INT8_ACT, QuantFormat
 from openamct.quant.covering_pool import fold_pools
 from openamct.techniques.base import ExportParts, Technique
@@ -68,6 +69,7 @@ def fold_fake_quant(model: nn.Module, techniques: Sequence[Technique], defer=Non
     """Turn a working copy of a compressed model into its fake-quant export model (in place);
     ``defer``: see ``fold_layers``."""
     fold_layers(model, _fake_layer, techniques, defer)
+    fold_recurrent(model, FakeQuantAct)
     fold_activations(model, FakeQuantAct)
     fold_pools(model)
     return model

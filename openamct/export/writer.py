@@ -37,6 +37,7 @@ from openamct.export.export_layer import (
 )
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
 from openamct.export.ids import SAVE_ID_KEY, hash_model, tensor_bytes
+from openamct.export.recurrent import has_recurrent
 from openamct.export.signature import export_signature
 from openamct.graph.capture import split_input_data
 from openamct.techniques import TECHNIQUES, Technique
@@ -139,7 +140,8 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     # Exported from a CPU copy: a CUDA model's save leaves it on its device, as it was.
     probe = working_copy(model, cpu=True)
     input_data = inputs_on_cpu(input_data)
-    quantized = any(export_parts(layer, techniques).quantized for layer in compressed_layers(probe).values())
+    quantized = has_recurrent(probe) or any(export_parts(layer, techniques).quantized
+                                            for layer in compressed_layers(probe).values())
     if not quantized:
         proto = export_onnx(fold_plain(probe, techniques), input_data, **names)
         del probe

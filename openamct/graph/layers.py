@@ -9,7 +9,14 @@ from torch import nn
 
 from openamct.graph.graph import Graph
 from openamct.graph.parametrized import hook_reparametrized
-from openamct.layer_types import LAYER_TYPES, LayerType, features, is_depthwise, layer_type_of
+from openamct.layer_types import (
+    LAYER_TYPES,
+    LayerType,
+    features,
+    is_depthwise,
+    layer_type_of,
+    unsupported_recurrent,
+)
 from openamct.log_summary import warn_grouped
 
 logger = logging.getLogger(__name__)
@@ -100,7 +107,10 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
                   if not o.startswith(name + ".")]
         hooked = hook_reparametrized(module)
         own = own_forward(module, row)
-        if hooked:
+        unsupported = unsupported_recurrent(module) if row.recurrent else None
+        if unsupported:
+            info.excluded = unsupported
+        elif hooked:
             info.excluded = hooked
         elif own:
             info.excluded = own

@@ -35,7 +35,7 @@ NO_CHANNELS = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "
                "full_like", "rand_like", "randn_like", "size", "dim", "numel"}
 BATCHNORMS = {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d"}
 CONSUMER_TYPES = {n: t.op_type for n, t in LAYER_TYPES.items() if t.filter}
-PRODUCER_OP = {n: t.op_type for n, t in LAYER_TYPES.items()}
+PRODUCER_OP = {n: t.op_type for n, t in LAYER_TYPES.items() if not t.recurrent}  # groups end at an LSTM/GRU
 
 
 def node_arg(node: Node, pos: int, key: str, default: object = None) -> object:

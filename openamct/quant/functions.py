@@ -271,7 +271,8 @@ def arq_scales(w: Tensor, channel_wise: bool, axis: int = 0, groups: int = 1,
             w2, ch = to_channel_major(wd, axis, groups)
             amax = _absmax_per_channel(w2, ch)
         else:
-            amax = torch.maximum(wd.amax(), wd.amin().neg()).reshape(1)
+            flat = wd.reshape(-1)  # reduced along a dim: torch.onnx's dynamo exporter has no dim-less amax
+            amax = torch.maximum(flat.amax(0), flat.amin(0).neg()).reshape(1)
         return (amax.float() / fmt.qmax).clamp_(min=SCALE_EPS)
 
 

@@ -23,7 +23,7 @@ def layer_lines(layers: Mapping) -> list[str]:
     """One 'name Type shape' line per supported layer (``LayerInfo``s of the original model)."""
     out = []
     for name, info in layers.items():
-        w = getattr(info.module, "weight", None)
+        w = getattr(info.module, "weight", getattr(info.module, "weight_ih_l0", None))  # (an LSTM/GRU: its first)
         shape = "x".join(str(d) for d in w.shape) if w is not None else "-"
         out.append(f"{name} {info.type} {shape}")
     return out

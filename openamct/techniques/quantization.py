@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from openamct.compressed.recurrent import RecurrentLayer, record_keys, unsupported
 from openamct.config.errors import ConfigError, locate
 from openamct.config.retrain_config_pb2 import DataType
 from openamct.config.rules import QUANT, f32, winning_block
 from openamct.config.specs import ActSpec, QuantSpec, WtsSpec
 from openamct.formats import ACTIVATION_FORMATS, DEFAULT, WEIGHT_FORMATS
-from openamct.layer_types import ALL_TYPES
+from openamct.layer_types import ALL_TYPES, LAYER_TYPES
 from openamct.module_tree import set_module
 from openamct.quant.quantizers import ActULQ, WeightARQ, WeightULQ
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord, SingleLayerRecord
@@ -120,11 +121,50 @@ def _entry(layer: nn.Module) -> SingleLayerRecord | None:
     return entry
 
 
+def _recurrent_entries(name: str, layer: RecurrentLayer) -> list[tuple[str, SingleLayerRecord]]:
+    """One entry per (layer, direction): input (``scale_d``), hidden state (``scale_h``), and the
+    per-row scales of ``weight_ih`` (``scale_w``) and ``weight_hh`` (``scale_r``), upstream's
+    record fields for recurrent layers. None until every activation quantizer has its clips."""
+    if layer.quantizers_pending():
+        return []
+    out = []
+    for key, sfx in zip(record_keys(name, layer.num_layers, layer.bidirectional), layer.suffixes):
+        xq, hq = layer.x_quant[sfx.split("_")[0]], layer.h_quant[sfx]
+        (scale_d, offset_d), (scale_h, offset_h) = xq.scale_offset(), hq.scale_offset()
+        entry = SingleLayerRecord(scale_d=scale_d, offset_d=offset_d, scale_h=scale_h, offset_h=offset_h)
+        sw = layer.weight_scales(f"weight_ih_{sfx}").reshape(-1).float().tolist()
+        sr = layer.weight_scales(f"weight_hh_{sfx}").reshape(-1).float().tolist()
+        entry.scale_w.extend(sw)
+        entry.offset_w.extend([0] * len(sw))
+        entry.scale_r.extend(sr)
+        entry.offset_r.extend([0] * len(sr))
+        if xq.format.name != DEFAULT:
+            entry.act_type = xq.format.name
+        wfmt = layer.wts_quant[f"weight_ih_{sfx}"].format
+        if wfmt.name != DEFAULT:
+            entry.wts_type = wfmt.name
+        out.append((key, entry))
+    return out
+
+
+def _keys(name: str, info) -> list[str]:
+    """The record keys of a planned layer (a recurrent layer has one per layer and direction)."""
+    if not LAYER_TYPES[info.type].recurrent:
+        return [name]
+    return record_keys(name, info.module.num_layers, info.module.bidirectional)
+
+
 class Quantization(Technique):
     name = "quant"
     after = ("filter_prune",)  # a foldable BatchNorm is folded as channel pruning left it
     family = QUANT
     layer_types = ALL_TYPES  # every layer type of the table
+
+    def eligible(self, info) -> str | None:
+        why = super().eligible(info)
+        if why is None and LAYER_TYPES[info.type].recurrent:
+            why = unsupported(info.module)  # (an LSTM with proj_size stays float, with this note)
+        return why
 
     def configured_by(self, block) -> bool:
         return QUANT.present(block)
@@ -174,7 +214,8 @@ class Quantization(Technique):
             act = spec.act
             fixed = act.fixed_min if act.fixed_min is not None else ctx.graph.fed_by_relu(lp.name)
             src = ctx.graph.input_tensor(lp.name)
-            bn = ctx.graph.single_bn_after(lp.name)
+            # A recurrent layer folds no BatchNorm (its outputs are a sequence and states).
+            bn = None if LAYER_TYPES[lp.type].recurrent else ctx.graph.single_bn_after(lp.name)
             call = ctx.graph.call_of(lp.name)
             if bn is not None and lp.type == "Linear" and len(call.outputs[0].shape) != 2:
                 bn = None  # BatchNorm1d after a 3-D Linear output normalises another axis
@@ -189,11 +230,12 @@ class Quantization(Technique):
         return state
 
     def check_restore(self, ctx: Context, state: QuantState) -> None:
+        owner = {k: name for name in state.layers for k in _keys(name, ctx.layers[name])}
         for key, entry in state.stored.items():
-            if key not in state.layers:
+            if key not in owner:
                 raise ValueError(f"record_file has quantization scales for layer {key!r}, which this model and "
                                  "config do not quantize (record from another model or config?)")
-            spec = state.layers[key].spec
+            spec = state.layers[owner[key]].spec
             for name, planned in (("act_type", spec.act.dst_type), ("wts_type", spec.wts.dst_type)):
                 if getattr(entry, name) != planned:
                     raise ValueError(f"record_file: layer {key!r} was quantized with {name} "
@@ -209,7 +251,8 @@ class Quantization(Technique):
                 aq = shared[d.share_key] = make_act_quantizer(d.spec.act, d.fixed_min, ctx.plan.batch_num)
             parts.act_quant = aq
             parts.wts_quant = make_weight_quantizer(d.spec.wts)
-            parts.observe_output = True
+            # A recurrent layer's outputs feed float ops in the deploy model: no observer.
+            parts.observe_output = not isinstance(module, (nn.LSTM, nn.GRU))
             if d.bn is not None and _foldable(module, ctx.model.get_submodule(d.bn)):
                 bn = parts.bn = ctx.model.get_submodule(d.bn)
                 set_module(ctx.model, d.bn, nn.Identity().train(bn.training))
@@ -217,6 +260,13 @@ class Quantization(Technique):
     def to_record(self, state: QuantState, layers, record: ScaleOffsetRecord) -> None:
         # Every compressed layer in wrapping order: the record lists entries as it always has.
         for name, layer in layers.items():
+            if isinstance(layer, RecurrentLayer):
+                found = dict(_recurrent_entries(name, layer))
+                for key in record_keys(name, layer.num_layers, layer.bidirectional):
+                    entry = found.get(key, state.stored.get(key))
+                    if entry is not None:
+                        record.record.add(key=key).value.CopyFrom(entry)
+                continue
             entry = _entry(layer)
             if entry is None:
                 entry = state.stored.get(name)

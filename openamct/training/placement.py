@@ -18,8 +18,9 @@ def place_added_modules(work: nn.Module, layers: dict[str, nn.Module]) -> None:
     devices = {p.device for p in work.parameters()}
     home = devices.pop() if len(devices) == 1 else None
     for layer in layers.values():
+        device = next(layer.parameters(recurse=False)).device  # the weight's (an LSTM's first weight)
         for part in layer.children():
-            part.to(layer.weight.device)
+            part.to(device)
     for m, _ in stateful_modules(work, {}):
         if home is not None:
             m.to(home)

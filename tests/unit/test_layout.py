@@ -51,6 +51,7 @@ LAYERS = [
     ("training",),  # beside the model while it trains: the record keeper, rollback
     ("export",),
     ("checkpoint", "stats", "output_paths"),
+    ("nn",),  # single-op QAT modules and convert_qat_model: over the compressed layer and the export
     ("large",),  # wired in from above (pipeline) through named hooks: never imported below
     ("pipeline",),
     ("tensor_decompose",),  # auto_decomposition / decompose_network: a model transform before create

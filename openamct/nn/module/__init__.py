@@ -1,0 +1,1 @@
+"""``openamct.nn.module``: the QAT module packages (``quantization``)."""

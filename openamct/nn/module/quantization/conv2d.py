@@ -1,0 +1,26 @@
+"""``Conv2dQAT``: torch.nn.Conv2d with single-op QAT (``base.QATLayer``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from openamct.nn.module.quantization.base import QATLayer
+
+__all__ = ["Conv2dQAT"]
+
+
+class Conv2dQAT(QATLayer, nn.Conv2d):
+    """``nn.Conv2d``'s constructor plus ``config`` (see ``config``); ``from_float(mod, config)``."""
+
+    _layer_cls = nn.Conv2d
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None, config=None) -> None:
+        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                           padding_mode, device=device, dtype=dtype)
+        self._setup_qat(config)
+
+    @classmethod
+    def _ctor_kwargs(cls, mod: nn.Module) -> dict:
+        return {k: getattr(mod, k) for k in ("in_channels", "out_channels", "kernel_size", "stride", "padding",
+                                             "dilation", "groups", "padding_mode")}

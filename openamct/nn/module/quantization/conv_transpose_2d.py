@@ -1,0 +1,34 @@
+"""``ConvTranspose2dQAT``: torch.nn.ConvTranspose2d with single-op QAT (``base.QATLayer``).
+groups > 1 is refused: its output channels are not one axis of the weight, so no per-axis
+DequantizeLinear expresses its weight quantization."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from openamct.nn.module.quantization.base import QATLayer
+
+__all__ = ["ConvTranspose2dQAT"]
+
+
+class ConvTranspose2dQAT(QATLayer, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d``'s constructor plus ``config``; ``from_float(mod, config)``."""
+
+    _layer_cls = nn.ConvTranspose2d
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0, groups=1,
+                 bias=True, dilation=1, padding_mode="zeros", device=None, dtype=None, config=None) -> None:
+        nn.ConvTranspose2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, output_padding,
+                                    groups, bias, dilation, padding_mode, device=device, dtype=dtype)
+        self._setup_qat(config)
+
+    @classmethod
+    def _ctor_kwargs(cls, mod: nn.Module) -> dict:
+        return {k: getattr(mod, k) for k in ("in_channels", "out_channels", "kernel_size", "stride", "padding",
+                                             "output_padding", "groups", "dilation", "padding_mode")}
+
+    def forward(self, x, output_size=None):
+        if output_size is not None:
+            raise ValueError(f"output_size: {type(self).__name__} takes its output size from output_padding; "
+                             "set output_padding instead of passing output_size")
+        return super().forward(x)

@@ -1,0 +1,23 @@
+"""``LSTMQAT``: torch.nn.LSTM with single-op QAT (``rnn_qat_base.RecurrentQAT``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from openamct.nn.module.quantization.rnn_qat_base import RecurrentQAT
+
+__all__ = ["LSTMQAT"]
+
+
+class LSTMQAT(RecurrentQAT, nn.LSTM):
+    """``nn.LSTM``'s constructor plus ``config``; ``from_float(mod, config)``. Input and hidden
+    state quantized per tensor, weights per gate row. ``proj_size`` > 0 is refused."""
+
+    _layer_cls = nn.LSTM
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
+                 bidirectional=False, proj_size=0, device=None, dtype=None, config=None) -> None:
+        nn.LSTM.__init__(self, input_size, hidden_size, num_layers, bias=bias, batch_first=batch_first,
+                         dropout=dropout, bidirectional=bidirectional, proj_size=proj_size, device=device,
+                         dtype=dtype)
+        self._setup_qat(config)
