@@ -187,3 +187,28 @@ def test_dynamic_quantize_lstm_refuses_a_file_without_lstm(tmp_path):
     assert not (tmp_path / "dyn.onnx").exists()
     with pytest.raises(ValueError, match="does not exist"):
         amct.dynamic_quantize_lstm(str(tmp_path / "missing.onnx"), str(tmp_path / "dyn.onnx"))
+
+
+def test_a_record_written_before_recurrent_layers_were_quantized_restores(tmp_path):
+    """Earlier openamct left LSTM/GRU float and did not list them in a record's fingerprint. Such
+    a record (here: the LSTM skipped by the config, its fingerprint line removed) restores with
+    the same config; a record that lists recurrent layers is still compared on them."""
+    torch.manual_seed(0)
+    model, x = SeqNet(), torch.randn(4, 7, 6)
+    cfg = write_cfg(tmp_path, INT8 + 'skip_layer_types: "LSTM"\n')
+    m = amct.create_compressed_retrain_model(model, x, cfg, str(tmp_path / "r.txt"))
+    m.train()
+    m(x)
+    m.eval()
+    torch.save(m.state_dict(), tmp_path / "m.pth")
+    text = (tmp_path / "r.txt").read_text()
+    assert "# openamct-layer: rnn LSTM" in text
+    old = "".join(ln for ln in text.splitlines(keepends=True) if not ln.startswith("# openamct-layer: rnn "))
+    (tmp_path / "old.txt").write_text(old)
+    back = amct.restore_compressed_retrain_model(SeqNet(), x, cfg, str(tmp_path / "old.txt"), str(tmp_path / "m.pth"))
+    back.eval()
+    assert torch.equal(back(x), m(x))
+    renamed = text.replace("# openamct-layer: rnn LSTM", "# openamct-layer: rnn2 LSTM")
+    (tmp_path / "other.txt").write_text(renamed)
+    with pytest.raises(ValueError, match="describes another model"):
+        amct.restore_compressed_retrain_model(SeqNet(), x, cfg, str(tmp_path / "other.txt"), str(tmp_path / "m.pth"))
