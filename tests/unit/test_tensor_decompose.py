@@ -267,5 +267,10 @@ def test_decomposed_model_goes_through_create_restore_and_save(tmp_path):
     structure, _ = decompose_network(net(3), info)
     restored = amct.restore_compressed_retrain_model(structure, x[:1], cfg, rec, ck)
     assert torch.equal(run(restored, x), want)
+    # an undecomposed model is refused: the config and the record name the new convs
+    with pytest.raises(ValueError, match="layer 'conv2.1' does not exist in the model"):
+        amct.restore_compressed_retrain_model(net(3), x[:1], cfg, rec, ck)
+    with pytest.raises(ValueError, match="record_file .* describes another model"):
+        amct.restore_compressed_retrain_model(net(3), x[:1], write_cfg(tmp_path, INT8, "plain.cfg"), rec, ck)
     amct.save_compressed_retrain_model(restored, rec, str(tmp_path / "out" / "m"), x[:1])
     assert os.path.isfile(tmp_path / "out" / "m_deploy_model.onnx")
