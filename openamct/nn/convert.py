@@ -75,14 +75,15 @@ def _bn_fold(g, layer: OnnxQatLayer):
     return c, (beta.astype(np.float32) - c * mean.astype(np.float32)).astype(np.float32), bn
 
 
-def _out_axis(layer: OnnxQatLayer, ndim: int) -> int:
+def _out_axis(layer: OnnxQatLayer) -> int:
+    """The output-channel axis of the layer's weight (ConvTranspose: [Cin, Cout, ...], groups 1)."""
     return 1 if layer.node.op_type == "ConvTranspose" else 0
 
 
 def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     w = layer.weight
     wf = fake_weight(g, w)
-    axis = _out_axis(layer, wf.ndim)
+    axis = _out_axis(layer)
     if w.axis is not None and w.axis % wf.ndim != axis:
         raise ValueError(f"weight {w.name!r}: quantized along axis {w.axis}, not its output channels")
     shape = [1] * wf.ndim
@@ -92,7 +93,10 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     rng = None
     if layer.marker is not None:
         m = layer.marker
-        rng = ((0 - m.zero_point) * m.scale, (255 - m.zero_point) * m.scale)
+        # A scale at the floor: an observer that never saw a batch (torch.export writes the pair
+        # anyway, it cannot read the flag): no range.
+        if m.scale > 2 * float(np.finfo(np.float32).eps):
+            rng = ((0 - m.zero_point) * m.scale, (255 - m.zero_point) * m.scale)
         skip_pair(g, m)
     fold = _bn_fold(g, layer)
     per_channel = w.axis is not None

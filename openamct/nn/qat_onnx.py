@@ -218,11 +218,6 @@ def fake_weight(g: OnnxGraph, w: WeightPair) -> np.ndarray:
     return y.numpy()
 
 
-def _out_scales(layer: OnnxQatLayer) -> np.ndarray:
-    """Weight scales in output-channel order (one when per tensor)."""
-    return layer.weight.scales
-
-
 def rounded_bias(g: OnnxGraph, layer: OnnxQatLayer) -> tuple[str, np.ndarray] | None:
     """(name, values) of the layer's bias rounded to the int32 grid as ``CompressedLayer``'s
     ``_bias_on_int32_grid`` rounds it in eval (float32: sx * sw, round half to even)."""
@@ -232,7 +227,7 @@ def rounded_bias(g: OnnxGraph, layer: OnnxQatLayer) -> tuple[str, np.ndarray] | 
     b = g.const(n.input[2])
     if b is None or b.dtype != np.float32:
         return None
-    scale = np.float32(layer.act.scale) * _out_scales(layer).astype(np.float32)
+    scale = np.float32(layer.act.scale) * layer.weight.scales.astype(np.float32)
     q = np.round(b / scale)
     return n.input[2], (q * scale).astype(np.float32) if np.all(np.abs(q) < 2**31 - 1) else b
 
