@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-__all__ = ["QuantFormat", "INT8_ACT", "INT8_WEIGHT", "INT4_WEIGHT", "DEFAULT", "activation_format",
-           "weight_format", "WEIGHT_FORMATS", "ACTIVATION_FORMATS"]
+__all__ = ["QuantFormat", "INT8_ACT", "INT8_WEIGHT", "INT4_WEIGHT", "INT16_ACT", "DEFAULT", "activation_format",
+           "weight_format", "WEIGHT_FORMATS", "ACTIVATION_FORMATS", "QAT_MODULE_ACTIVATION_FORMATS"]
 
 DEFAULT = "INT8"  # the config's and the record's default data type
 
@@ -66,10 +66,17 @@ INT8_ACT = QuantFormat("INT8", 8, signed=True, symmetric=False)  # ULQ: asymmetr
 INT8_WEIGHT = QuantFormat("INT8", 8, per_channel=True, axis=0)  # ARQ / ULQ weights (or .granular(False))
 INT4_WEIGHT = QuantFormat("INT4", 4, per_channel=True, axis=0)  # weight-only
 
+# INT16 activations: the single-op QAT modules' only (openamct.nn). Their deploy model reads
+# them through ONNX Runtime's int16 QuantizeLinear/DequantizeLinear (com.microsoft domain, CPU),
+# in front of a float kernel: ORT has no int16 Conv/Gemm.
+INT16_ACT = QuantFormat("INT16", 16, signed=True, symmetric=False)
+
 # Which config/record DataType names each role accepts (per-channel entries; ``weight_format``
 # sets the granularity a layer asks for).
 WEIGHT_FORMATS = MappingProxyType({f.name: f for f in (INT8_WEIGHT, INT4_WEIGHT)})
 ACTIVATION_FORMATS = MappingProxyType({INT8_ACT.name: INT8_ACT})
+# The data formats a single-op QAT module's config may name (openamct.nn.module.quantization).
+QAT_MODULE_ACTIVATION_FORMATS = MappingProxyType({f.name: f for f in (INT8_ACT, INT16_ACT)})
 
 
 def weight_format(name: str, channel_wise: bool) -> QuantFormat:

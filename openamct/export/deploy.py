@@ -127,8 +127,8 @@ def _bias_to_int32(g: OnnxGraph) -> None:
 
 def _qparams(g: OnnxGraph, q: onnx.NodeProto) -> tuple | None:
     s, zp = g.const(q.input[1]), g.const(q.input[2]) if len(q.input) > 2 else None
-    if s is None or zp is None or s.size != 1:
-        return None
+    if s is None or zp is None or s.size != 1 or zp.dtype not in (np.int8, np.uint8):
+        return None  # (a single-op INT16 input pair feeds a float kernel: not an integer-kernel input)
     return float(s.reshape(())), int(zp.reshape(())), zp.dtype
 
 

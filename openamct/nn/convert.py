@@ -11,7 +11,10 @@ flow's folded model exports:
 - a BatchNormalization that is a Conv's (or ConvTranspose's) only reader is folded into it, as
   the graph flow folds it at create: per output channel c = gamma / sqrt(var + eps), the
   weight scales times |c| (grid values negated where c < 0), bias c * b + beta - c * mean;
-- each int8 input pair becomes uint8 with zero point + 128 (the same grid);
+- each int8 input pair becomes uint8 with zero point + 128 (the same grid); an INT16 input
+  (float ops in the file) becomes ONNX Runtime's int16 QuantizeLinear/DequantizeLinear
+  (``com.microsoft``; the CPU provider runs them, then the layer's float kernel: no int16
+  Conv/Gemm exists there);
 - each output-range pair is removed and its range handed to the post-pass as the layer's
   observer range (through a folded BN: the range its per-channel affine map bounds).
 
@@ -50,6 +53,8 @@ from openamct.output_paths import check_output, check_path_syntax
 
 logger = logging.getLogger(__name__)
 
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: int16 QuantizeLinear/DequantizeLinear on the CPU
+
 __all__ = ["convert_qat_model", "save_qat_model", "holds_qat_modules"]
 
 
@@ -71,14 +76,15 @@ def _bn_fold(g, layer: OnnxQatLayer):
     return c, (beta.astype(np.float32) - c * mean.astype(np.float32)).astype(np.float32), bn
 
 
-def _out_axis(layer: OnnxQatLayer, ndim: int) -> int:
+def _out_axis(layer: OnnxQatLayer) -> int:
+    """The output-channel axis of the layer's weight (ConvTranspose: [Cin, Cout, ...], groups 1)."""
     return 1 if layer.node.op_type == "ConvTranspose" else 0
 
 
 def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     w = layer.weight
     wf = fake_weight(g, w)
-    axis = _out_axis(layer, wf.ndim)
+    axis = _out_axis(layer)
     if w.axis is not None and w.axis % wf.ndim != axis:
         raise ValueError(f"weight {w.name!r}: quantized along axis {w.axis}, not its output channels")
     shape = [1] * wf.ndim
@@ -88,7 +94,10 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     rng = None
     if layer.marker is not None:
         m = layer.marker
-        rng = ((0 - m.zero_point) * m.scale, (255 - m.zero_point) * m.scale)
+        # A scale at the floor: an observer that never saw a batch (torch.export writes the pair
+        # anyway, it cannot read the flag): no range.
+        if m.scale > 2 * float(np.finfo(np.float32).eps):
+            rng = ((0 - m.zero_point) * m.scale, (255 - m.zero_point) * m.scale)
         skip_pair(g, m)
     fold = _bn_fold(g, layer)
     per_channel = w.axis is not None
@@ -120,8 +129,8 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
         g.set_input(layer.transpose, 0, dq.output[0])
     else:
         g.set_input(layer.node, 1, dq.output[0])
-    if rng is not None and layer.act is not None:
-        observers[qname] = rng
+    if rng is not None and layer.act is not None and not layer.act.ops:
+        observers[qname] = rng  # (an INT16 layer runs a float kernel: its output stays float)
 
 
 def write_deploy(qg: QatGraph) -> dict[str, tuple[float, float]]:
@@ -135,6 +144,16 @@ def write_deploy(qg: QatGraph) -> dict[str, tuple[float, float]]:
         if g.producer(m.dq.output[0]) is not None:
             skip_pair(g, m)
     for a in qg.acts:
+        if a.ops:  # INT16: ORT's int16 Q/DQ (contrib domain: the standard ops take int16 from opset 21)
+            x = a.q.input[0] if g.const(a.q.input[1]) is not None else a.q.input[1]
+            s = g.add_init(np.array(a.scale, np.float32), f"{x}_scale_i16")
+            z = g.add_init(np.array(a.zero_point, np.int16), f"{x}_zero_point_i16")
+            q = g.make("QuantizeLinear", [x, s, z], domain=MS_DOMAIN)
+            dq = g.make("DequantizeLinear", [q.output[0], s, z], domain=MS_DOMAIN)
+            g.replace_uses(a.dq.output[0], dq.output[0])
+            for n in a.ops:
+                g.remove(n)
+            continue
         z = g.add_init(np.array(a.zero_point + 128, np.uint8), f"{a.q.input[0]}_zero_point_u8")
         g.set_input(a.q, 2, z)
         g.set_input(a.dq, 2, z)
@@ -168,6 +187,9 @@ def _convert(model: onnx.ModelProto, fake_path: str, deploy_path: str, where: st
     write_fake_quant(read_qat(fake, where))
     deploy = model  # the caller's copy: edited in place
     observers = write_deploy(read_qat(deploy, where))
+    if any(n.domain == MS_DOMAIN for n in deploy.graph.node) and \
+            not any(o.domain == MS_DOMAIN for o in deploy.opset_import):
+        deploy.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     finish_deploy(deploy, observers)
     _stamp([fake, deploy])
     write_onnx(fake, fake_path)

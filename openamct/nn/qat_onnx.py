@@ -6,7 +6,8 @@ subgraphs are folded (the TorchScript exporter leaves the scale arithmetic on th
 parameters and the weight in the graph; every node whose inputs are all constant is evaluated
 here, QuantizeLinear/DequantizeLinear excepted):
 
-- its input: ``QuantizeLinear(x, s, zp int8) -> DequantizeLinear``, per tensor (an ``ActPair``);
+- its input: ``QuantizeLinear(x, s, zp int8) -> DequantizeLinear``, per tensor (an ``ActPair``),
+  or for INT16 data the same arithmetic as float ops ending in ``Clip(-32768, 32767)``;
 - its weight: ``QuantizeLinear(W, s_w, 0 int8, axis) -> DequantizeLinear`` on a float
   initializer W (a ``WeightPair``), read by a Conv, ConvTranspose or Gemm (``OnnxQatLayer``), or by
   MatMul through a Transpose (a Linear on a 3-D input);
@@ -41,11 +42,15 @@ ANCHORS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 @dataclass
 class ActPair:
+    """An activation quantizer: a Q/DQ pair, or (INT16) the float ops from ``q`` (the first
+    Mul) to ``dq`` (the last Mul), all listed in ``ops``."""
+
     q: onnx.NodeProto
     dq: onnx.NodeProto
     scale: float
     zero_point: int
-    dtype: type  # np.int8 (a QAT input quantizer) or np.uint8 (an output-range marker)
+    dtype: type  # np.int8 / np.int16 (a QAT input quantizer) or np.uint8 (an output-range marker)
+    ops: tuple = ()
 
 
 @dataclass
@@ -131,6 +136,9 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
             pair = ActPair(q, dq, float(s.reshape(())), int(zp.reshape(())), zp.dtype.type)
             (out.markers if zp.dtype == np.uint8 else out.acts).append(pair)
             acts[dq.output[0]] = pair
+    for pair in _wide_acts(g):
+        out.acts.append(pair)
+        acts[pair.dq.output[0]] = pair
     for n in g.topological():
         if n.op_type not in ANCHORS or len(n.input) < 2:
             continue
@@ -143,7 +151,7 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
         if n.op_type == "Gemm" and (g.attr(n, "transA", 0) or not g.attr(n, "transB", 0)):
             continue  # torch exports a Linear as Gemm(transB=1)
         act = acts.get(n.input[0])
-        layer = OnnxQatLayer(n, weights[w], act if act is not None and act.dtype is np.int8 else None, transpose)
+        layer = OnnxQatLayer(n, weights[w], act if act is not None and act.dtype is not np.uint8 else None, transpose)
         users = g.users(n.output[0])
         if len(users) == 1:
             layer.marker = next((m for m in out.markers if m.q is users[0]), None)
@@ -155,6 +163,44 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
     logger.info("%s: %d QAT layers, %d input quantizers, %d output ranges", where, len(out.layers),
                 len(out.acts), len(out.markers))
     return out
+
+
+def _const_operand(g: OnnxGraph, n, value_first: bool = False):
+    """(the non-constant input, the constant scalar) of a binary node, or None."""
+    if n is None or len(n.input) != 2:
+        return None
+    a, b = n.input
+    ca, cb = g.const(a), g.const(b)
+    if cb is not None and ca is None and cb.size == 1:
+        return a, float(cb.reshape(()))
+    if ca is not None and cb is None and ca.size == 1 and n.op_type in ("Mul", "Add"):
+        return b, float(ca.reshape(()))
+    return None
+
+
+def _wide_acts(g: OnnxGraph) -> list[ActPair]:
+    """INT16 input quantizers, written by a QAT module as Mul(x, 1/s) -> Round -> Add(zp) ->
+    Clip(-32768, 32767) -> Sub(zp) -> Mul(s) (``QATLayer._export_input``)."""
+    found = []
+    for clip in [n for n in g.nodes if n.op_type == "Clip" and len(n.input) == 3]:
+        lo, hi = g.const(clip.input[1]), g.const(clip.input[2])
+        if lo is None or hi is None or (float(lo), float(hi)) != (-32768.0, 32767.0):
+            continue
+        add = g.producer(clip.input[0])
+        a = _const_operand(g, add) if add is not None and add.op_type == "Add" else None
+        rnd = g.producer(a[0]) if a else None
+        mul = g.producer(rnd.input[0]) if rnd is not None and rnd.op_type == "Round" else None
+        m = _const_operand(g, mul) if mul is not None and mul.op_type == "Mul" else None
+        users = g.users(clip.output[0])
+        sub = users[0] if len(users) == 1 and users[0].op_type == "Sub" else None
+        sb = _const_operand(g, sub) if sub is not None else None
+        users = g.users(sub.output[0]) if sub is not None else []
+        last = users[0] if len(users) == 1 and users[0].op_type == "Mul" else None
+        ml = _const_operand(g, last) if last is not None else None
+        if not (a and m and sb and ml) or a[1] != sb[1] or g.is_output(clip.output[0]):
+            continue
+        found.append(ActPair(mul, last, ml[1], int(a[1]), np.int16, (mul, rnd, add, clip, sub, last)))
+    return found
 
 
 def fake_weight(g: OnnxGraph, w: WeightPair) -> np.ndarray:
@@ -172,11 +218,6 @@ def fake_weight(g: OnnxGraph, w: WeightPair) -> np.ndarray:
     return y.numpy()
 
 
-def _out_scales(layer: OnnxQatLayer) -> np.ndarray:
-    """Weight scales in output-channel order (one when per tensor)."""
-    return layer.weight.scales
-
-
 def rounded_bias(g: OnnxGraph, layer: OnnxQatLayer) -> tuple[str, np.ndarray] | None:
     """(name, values) of the layer's bias rounded to the int32 grid as ``CompressedLayer``'s
     ``_bias_on_int32_grid`` rounds it in eval (float32: sx * sw, round half to even)."""
@@ -186,7 +227,7 @@ def rounded_bias(g: OnnxGraph, layer: OnnxQatLayer) -> tuple[str, np.ndarray] | 
     b = g.const(n.input[2])
     if b is None or b.dtype != np.float32:
         return None
-    scale = np.float32(layer.act.scale) * _out_scales(layer).astype(np.float32)
+    scale = np.float32(layer.act.scale) * layer.weight.scales.astype(np.float32)
     q = np.round(b / scale)
     return n.input[2], (q * scale).astype(np.float32) if np.all(np.abs(q) < 2**31 - 1) else b
 
@@ -210,6 +251,8 @@ def write_fake_quant(qg: QatGraph) -> None:
     for m in qg.markers:
         skip_pair(g, m)
     for a in qg.acts:
+        if a.ops:  # INT16: already the float form
+            continue
         s = np.float32(a.scale)
         qmin, qmax = int(np.iinfo(a.dtype).min), int(np.iinfo(a.dtype).max)
         consts = [g.add_init(np.array(v, np.float32), f"{a.q.input[0]}_fq_{k}") for k, v in

@@ -150,3 +150,29 @@ def test_conv3d_single_op_deploys_as_qlinearconv(tmp_path):
     ref = net(x).detach().numpy()
     assert np.abs(_run(str(tmp_path / "v_fake_quant_model.onnx"), x) - ref).max() <= 1e-5 * np.abs(ref).max()
     assert _kernels(str(tmp_path / "v_deploy_model.onnx"), tmp_path).count("QLinearConv") == 3
+
+
+def test_int16_inputs_deploy_as_ort_int16_qdq(tmp_path):
+    torch.manual_seed(0)
+    cfg16 = {"retrain_data_config": {"dst_type": "INT16"}}
+    net = nn.Sequential(Conv2dQAT(3, 8, 3, config=cfg16), nn.BatchNorm2d(8), nn.ReLU(),
+                        Conv2dQAT(8, 8, 3, config={"retrain_data_config": DATA}), nn.ReLU(), nn.Flatten(),
+                        LinearQAT(8 * 16, 5, config=cfg16))
+    assert net[0].act_quant.format.name == "INT16" and net[0].act_quant.format.qmax == 32767
+    x = torch.randn(8, 3, 8, 8)
+    opt = torch.optim.SGD(net.parameters(), 0.01)
+    for _ in range(2):
+        loss = net(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    net.eval()
+    ref = net(x).detach().numpy()
+    torch.onnx.export(net, (x,), str(tmp_path / "q.onnx"), dynamo=False)
+    amct.convert_qat_model(str(tmp_path / "q.onnx"), str(tmp_path / "o"))
+    assert np.abs(_run(str(tmp_path / "o_fake_quant_model.onnx"), x) - ref).max() <= 1e-5 * np.abs(ref).max()
+    deploy = str(tmp_path / "o_deploy_model.onnx")
+    assert np.abs(_run(deploy, x) - ref).max() <= 0.03 * np.abs(ref).max()
+    wide = [n for n in onnx.load(deploy).graph.node if n.domain == "com.microsoft"]
+    assert sorted(n.op_type for n in wide) == ["DequantizeLinear"] * 2 + ["QuantizeLinear"] * 2
+    assert "QLinearConv" in _kernels(deploy, tmp_path)  # the INT8 conv still runs in integers

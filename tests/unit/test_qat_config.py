@@ -23,6 +23,7 @@ def test_full_config_is_read():
     assert cfg.batch_num == 3
     assert (cfg.quant.act.clip_max, cfg.quant.act.clip_min, cfg.quant.act.fixed_min) == (1.5, -2.0, True)
     assert (cfg.quant.wts.algo, cfg.quant.wts.channel_wise) == ("ulq", False)
+    assert parse_qat_config({"retrain_data_config": {"dst_type": "INT16"}}, "Conv2d").quant.act.dst_type == "INT16"
     off = parse_qat_config({"retrain_enable": False}, "Conv2d")
     assert off.quant is None and not off.retrain_enable
 
@@ -45,7 +46,7 @@ def test_full_config_is_read():
     ({"retrain_weight_config": {"channel_wise": 1}}, TypeError, ["channel_wise", "bool"]),
     ({"retrain_weight_config": {"dst_type": "INT4"}}, ValueError, ["retrain_weight_config.dst_type", "INT4",
                                                                    "graph flow"]),
-    ({"retrain_data_config": {"dst_type": "INT16"}}, ValueError, ["retrain_data_config.dst_type", "INT16"]),
+    ({"retrain_data_config": {"dst_type": "INT4"}}, ValueError, ["retrain_data_config.dst_type", "weight format"]),
     ({"retrain_data_config": {"dst_type": "FP8"}}, ValueError, ["dst_type", "'FP8'"]),
     # a typo is refused even when the layer is not quantized
     ({"retrain_enable": False, "retrain_weight_config": {"chanel_wise": True}}, ValueError, ["'chanel_wise'"]),

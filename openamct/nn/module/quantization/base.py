@@ -8,7 +8,8 @@ the config (``config.parse_qat_config``) through the graph flow's own factories.
 
 Exported with plain ``torch.onnx.export`` (either exporter), a module writes
 QuantizeLinear/DequantizeLinear pairs: int8 (per tensor) on its input, int8 (per channel or
-per tensor, zero point 0) on its weight, and, once its output observer has seen a training
+per tensor, zero point 0) on its weight (an INT16 input: the same arithmetic as float ops,
+see ``_export_input``), and, once its output observer has seen a training
 batch, a uint8 pair on its output carrying the observed range (what the graph flow's deploy
 model quantizes a conv output with when no quantizer reads it). ``convert_qat_model`` reads
 those three; it removes the uint8 pair from the fake-quant model.
@@ -23,10 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
+from openamct.formats import QAT_MODULE_ACTIVATION_FORMATS
 from openamct.nn.module.quantization.config import QatConfig, parse_qat_config
-from openamct.quant.functions import graph_mode
-from openamct.quant.quantizers import RangeObserver, WeightULQ
-from openamct.techniques.quantization import make_act_quantizer, make_weight_quantizer
+from openamct.quant.functions import graph_mode, ulq_qparams
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
+from openamct.techniques.quantization import make_weight_quantizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,11 @@ class QATLayer(CompressedLayer):
                              f"in ONNX (its output channels are not one axis of the weight); got {self.groups}")
         device = self.weight.device
         act = qat.quant.act
-        self.act_quant = make_act_quantizer(act, bool(act.fixed_min), qat.batch_num).to(device)
+        # make_act_quantizer's arguments, with the format looked up among the modules' own
+        # (INT16 included, which the graph flow's ActSpec.format refuses)
+        fmt = QAT_MODULE_ACTIVATION_FORMATS[act.dst_type]
+        self.act_quant = ActULQ(clip_max=act.clip_max, clip_min=act.clip_min, fixed_min=bool(act.fixed_min),
+                                batch_num=qat.batch_num, fmt=fmt).to(device)
         wq = make_weight_quantizer(qat.quant.wts)
         wq.bind(self.weight_axis, self.weight_groups)
         self.wts_quant = wq.to(device)
@@ -110,7 +116,7 @@ class QATLayer(CompressedLayer):
         # Exported: the ops the ONNX exporters write as Q/DQ, with no read of a buffer's value
         # (torch.export traces fake tensors). The eval bias rounding to the int32 grid is left
         # to convert_qat_model, which computes it from the exported scales as the layer does.
-        y = self._op(self.act_quant(x), self.wts_quant(self.weight), self.bias)
+        y = self._op(self._export_input(x), self.wts_quant(self.weight), self.bias)
         obs = self.out_observer
         if torch.compiler.is_exporting() or bool(obs.initialized):
             lo, hi = obs.min_val.float().clamp(max=0.0), obs.max_val.float().clamp(min=0.0)
@@ -118,6 +124,19 @@ class QATLayer(CompressedLayer):
             zp = torch.round(-lo / s).clamp(MARKER_QMIN, MARKER_QMAX).to(torch.int32)
             y = torch.fake_quantize_per_tensor_affine(y, s, zp, MARKER_QMIN, MARKER_QMAX)
         return y
+
+    def _export_input(self, x: Tensor) -> Tensor:
+        """The input quantizer as exported: Q/DQ for INT8; for a wider format, which no torch
+        exporter writes as Q/DQ, the same arithmetic as float ops (Mul by 1/s, Round, Add zp,
+        Clip to the format, Sub zp, Mul s: ``fake_quant_per_tensor``'s, in exact integers),
+        which ``convert_qat_model`` recognises by the Clip bounds."""
+        aq = self.act_quant
+        fmt = aq.format
+        if fmt.bits <= 8:
+            return aq(x)
+        s, zp, _, _ = ulq_qparams(aq.clip_max, aq.clip_min, aq.fixed_min, fmt)
+        q = torch.clamp(torch.round(x * torch.reciprocal(s)) + zp, fmt.qmin, fmt.qmax)
+        return (q - zp) * s
 
     def extra_repr(self) -> str:
         q = self.qat_config.quant

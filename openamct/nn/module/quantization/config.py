@@ -22,8 +22,10 @@ Refused, with an error naming the key: a key that is not one of the above (a typ
 ignored silently otherwise), a value of the wrong type, a batch_num below 1, non-finite clips,
 only one of clip_min/clip_max, clip_max <= 0 or clip_min >= 0, and formats the single-op
 export cannot deploy: INT4 weights (torch's ONNX exporters write 8-bit QuantizeLinear only;
-the graph flow quantizes INT4 weights) and INT16 data (``openamct.formats.INT16_ACT``: no torch
-ONNX exporter writes a 16-bit fake quant, so no intermediate ONNX could carry it).
+the graph flow quantizes INT4 weights). INT16 data (``openamct.formats.INT16_ACT``, beyond
+upstream's single-op page, which lists INT8 only) is accepted: no torch exporter writes a
+16-bit fake quant, so the module exports it as float ops that ``convert_qat_model`` turns into
+ONNX Runtime's int16 Q/DQ.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openamct.config.specs import ActSpec, QuantSpec, WtsSpec
-from openamct.formats import ACTIVATION_FORMATS, DEFAULT, WEIGHT_FORMATS
+from openamct.formats import DEFAULT, QAT_MODULE_ACTIVATION_FORMATS, WEIGHT_FORMATS
 
 __all__ = ["QatConfig", "parse_qat_config", "TOP_KEYS", "DATA_KEYS", "WEIGHT_KEYS", "WEIGHT_ALGOS"]
 
@@ -45,13 +47,11 @@ WEIGHT_KEYS = ("dst_type", "weights_retrain_algo", "channel_wise")
 WEIGHT_ALGOS = {"arq_retrain": "arq", "ulq_quantize": "ulq", "ulq_retrain": "ulq"}
 
 # Formats the single-op export can deploy; the rest of each role's formats is refused with a reason.
-SINGLE_OP_DATA = (DEFAULT,)
+SINGLE_OP_DATA = tuple(QAT_MODULE_ACTIVATION_FORMATS)  # INT8, INT16
 SINGLE_OP_WEIGHTS = (DEFAULT,)
 _WHY_NOT = {
     "INT4": "torch's ONNX exporters write 8-bit QuantizeLinear only, so an INT4 QAT module could not be "
             "exported and converted; quantize INT4 weights with the graph flow (create_quant_retrain_model)",
-    "INT16": "no torch ONNX exporter writes a 16-bit fake quant (QuantizeLinear is 8-bit there), so an "
-             "INT16 QAT module could not be exported and converted to a deploy model",
 }
 
 
@@ -91,10 +91,12 @@ def _get(block: Mapping, key: str, types: type | tuple, where: str, default: Any
     return value
 
 
-def _dst_type(block: Mapping, where: str, allowed: tuple[str, ...], known: Mapping) -> str:
+def _dst_type(block: Mapping, where: str, allowed: tuple[str, ...], known: Mapping, weights: bool) -> str:
     name = _get(block, "dst_type", str, where, DEFAULT)
     if name in allowed:
         return name
+    if not weights and name in WEIGHT_FORMATS:
+        raise ValueError(f"{where}.dst_type: {name} is a weight format; data takes {', '.join(allowed)}")
     if name in _WHY_NOT:
         raise ValueError(f"{where}.dst_type: {name} is not supported by the single-op QAT modules: {_WHY_NOT[name]}")
     raise ValueError(f"{where}.dst_type: {name!r} is not a format ({', '.join(sorted(set(known) | set(_WHY_NOT)))}); "
@@ -133,12 +135,12 @@ def parse_qat_config(config: Any, layer_type: str, where: str = "config") -> Qat
         raise ValueError(f"{dwhere}.batch_num: must be >= 1, got {batch_num}")
     fixed_min = _get(d, "fixed_min", bool, dwhere, False)
     cmax, cmin = _clips(d, dwhere)
-    data_type = _dst_type(d, dwhere, SINGLE_OP_DATA, ACTIVATION_FORMATS)
+    data_type = _dst_type(d, dwhere, SINGLE_OP_DATA, QAT_MODULE_ACTIVATION_FORMATS, False)
     algo_name = _get(w, "weights_retrain_algo", str, wwhere, "arq_retrain")
     if algo_name not in WEIGHT_ALGOS:
         raise ValueError(f"{wwhere}.weights_retrain_algo: {algo_name!r} is not one of {', '.join(WEIGHT_ALGOS)}")
     channel_wise = _get(w, "channel_wise", bool, wwhere, layer_type != "Linear")
-    weight_type = _dst_type(w, wwhere, SINGLE_OP_WEIGHTS, WEIGHT_FORMATS)
+    weight_type = _dst_type(w, wwhere, SINGLE_OP_WEIGHTS, WEIGHT_FORMATS, True)
     if not enable:
         return QatConfig(False, None, batch_num)
     act = ActSpec(clip_max=cmax, clip_min=cmin, fixed_min=fixed_min, dst_type=data_type)
