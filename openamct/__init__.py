@@ -18,6 +18,13 @@ from openamct.api import (
     save_prune_retrain_model,
     save_quant_retrain_model,
 )
+from openamct.distill import (
+    DistillSampleBase,
+    create_distill_config,
+    create_distill_model,
+    distill,
+    save_distill_model,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +33,7 @@ __all__ = [
     "create_compressed_retrain_model", "restore_compressed_retrain_model", "save_compressed_retrain_model",
     "create_quant_retrain_config", "create_quant_retrain_model", "restore_quant_retrain_model",
     "save_quant_retrain_model", "auto_channel_prune_search",
+    "create_distill_config", "create_distill_model", "distill", "save_distill_model", "DistillSampleBase",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

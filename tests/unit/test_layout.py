@@ -53,6 +53,7 @@ LAYERS = [
     ("checkpoint", "stats", "output_paths"),
     ("large",),  # wired in from above (pipeline) through named hooks: never imported below
     ("pipeline",),
+    ("distill",),  # upstream's distillation family: the group-wise loop over pipeline's create/save
     ("search",),
     ("api",),
     ("openamct",),
