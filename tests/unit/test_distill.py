@@ -248,3 +248,40 @@ def test_bad_input_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"'stem.0' \(Conv2d\): dst_type INT4 cannot be deployed"):
         amct.create_distill_config(str(tmp_path / "c3.json"), m, x, cfg)
     assert all(torch.equal(v, s.state_dict()[k]) for k, v in state.items())
+
+
+def test_int4_linear_deploys_as_4bit_weights_ort_runs(tmp_path):
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from openamct.distill.int4_deploy import pack_int4_weights
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(3, 48)
+    out = str(tmp_path / "c.json")
+    amct.create_distill_config(out, m, x, _cfg(tmp_path, "distill_weight_quant_config { arq_distill "
+                                                         "{ dst_type: INT4 channel_wise: true } }\n"))
+    s = amct.create_distill_model(out, m, x)
+    with torch.no_grad():
+        want = s.eval()(x).numpy()
+    fake, deploy = amct.save_distill_model(s, str(tmp_path / "m"), x)
+    proto = onnx.load(deploy)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("MatMulNBits") == 2 and "Gemm" not in ops
+    q4 = [i for i in proto.graph.initializer if i.name.endswith("_q4")]
+    assert len(q4) == 2 and all(i.data_type == onnx.TensorProto.UINT8 for i in q4)
+    assert sum(int(np.prod(i.dims)) for i in q4) == (48 * 64 + 64 * 16) // 2
+    got = ort.InferenceSession(deploy, providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert pack_int4_weights(onnx.load(fake), "dq_int4") == 0  # fake-quant ONNX: float weights
+    # the other storage: opset-21 DequantizeLinear reading an INT4 initializer, same numbers
+    from openamct import pipeline
+
+    _, raw = pipeline.save(s, str(tmp_path / "raw"), x, None, None, None, None)
+    proto = onnx.load(raw)
+    assert pack_int4_weights(proto, "dq_int4") == 2
+    assert sum(i.data_type == onnx.TensorProto.INT4 for i in proto.graph.initializer) >= 2
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"input": x.numpy()})[0], want, rtol=1e-4, atol=1e-4)
