@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from google.protobuf import text_format
 
@@ -35,7 +36,7 @@ __all__ = ["INT4_DEPLOYABLE", "DistillJson", "parse_distill_cfg", "to_retrain_co
 # with a 4-bit kernel (MatMulNBits); other types would deploy as 8-bit storage.
 INT4_DEPLOYABLE = ("Linear",)
 
-_ALGOS = {"arq_distill": "arq_retrain", "ulq_distill": "ulq_retrain"}
+_ALGOS = MappingProxyType({"arq_distill": "arq_retrain", "ulq_distill": "ulq_retrain"})
 
 
 def parse_distill_cfg(path: str, arg: str = "config_defination") -> tuple[AMCTDistillConfig, str]:
