@@ -38,6 +38,8 @@ from openamct.export.writer import export_onnx, write_onnx  # noqa: E402
 
 def student(folder: str, name: str, wtype: str, model, sample) -> str:
     """Raw deploy ONNX (INT4 values in int8 storage for INT4) of an uncalibrated-but-initialised student."""
+    if os.path.isfile(os.path.join(folder, f"{name}_deploy_model.onnx")):  # --work-dir of an earlier run
+        return os.path.join(folder, f"{name}_deploy_model.onnx")
     cfg, js = os.path.join(folder, f"{name}.cfg"), os.path.join(folder, f"{name}.json")
     with open(cfg, "w") as f:
         f.write(f"distill_weight_quant_config {{ arq_distill {{ dst_type: {wtype} channel_wise: true }} }}\n")
@@ -53,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work-dir")
+    ap.add_argument("--work-dir", help="keep the models here; models already there are reused")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.work_dir or tempfile.mkdtemp(prefix="int4-speed-")
@@ -61,7 +63,8 @@ def main() -> None:
     train, _ = minilm.split_held_out(minilm.stdlib_sentences())
     sample = minilm.tokenize(tok, train[:32])
     paths = {"fp32": os.path.join(folder, "fp32.onnx")}
-    write_onnx(export_onnx(model, sample, NAMES, ["embedding"], AXES), paths["fp32"])
+    if not os.path.isfile(paths["fp32"]):
+        write_onnx(export_onnx(model, sample, NAMES, ["embedding"], AXES), paths["fp32"])
     paths["int8_deploy"] = student(folder, "int8", "INT8", model, sample)
     raw = student(folder, "int4", "INT4", model, sample)
     paths["int4_int8_storage"] = raw

@@ -7,7 +7,7 @@ weight ONNX Runtime stores and runs as 4 bits.
   operator's default zero point) packed two to a byte in blocks of ``block_size`` along the
   input features, the row's scale repeated per block; a bias becomes an ``Add`` after it.
 * ``"dq_int4"``: the initializer becomes an ONNX INT4 tensor (opset 21 DequantizeLinear reads
-  it); the graph is otherwise unchanged and the model's opset is raised to 21.
+  it); the model is converted to opset 21 (``onnx.version_converter``), the graph otherwise unchanged.
 
 Only weights whose DequantizeLinear feeds a Linear (``Gemm`` with transB, or
 ``Transpose``+``MatMul``) are rewritten; any other INT4 weight keeps its 8-bit storage.
@@ -77,6 +77,11 @@ def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits") -> int:
     many were rewritten."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "dq_int4" and any(o.domain in ("", "ai.onnx") and o.version < 21 for o in model.opset_import):
+        from onnx import version_converter
+
+        # The whole graph moves to opset 21 (ReduceL2's axes became an input at 18, ...).
+        model.CopyFrom(version_converter.convert_version(model, 21))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     users = _consumers(graph)
@@ -132,9 +137,6 @@ def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits") -> int:
     if done and fmt == "matmulnbits" and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     if done and fmt == "dq_int4":
-        for o in model.opset_import:
-            if o.domain in ("", "ai.onnx") and o.version < 21:
-                o.version = 21
         model.ir_version = max(model.ir_version, 10)
     _drop_unused(graph)
     return done
