@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/distill_mnist")
     ap.add_argument("--epochs", type=int, default=2, help="distillation epochs over the 4,000 training images")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--fp32-epochs", type=int, default=15, help="epochs of the FP32 model (the demo's recipe: 15)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -59,7 +60,7 @@ def main() -> None:
     x_train, y_train, x_test, y_test = load_mnist_5k()
     t0 = time.perf_counter()
     fp32 = MnistNet()
-    train_mnist(fp32, x_train, y_train, seed=args.seed, progress=False)
+    train_mnist(fp32, x_train, y_train, seed=args.seed, progress=False, epochs=args.fp32_epochs)
     fp32.eval()
     metrics = {"fp32": evaluate(fp32, x_test, y_test), "train_fp32_s": time.perf_counter() - t0}
     print(f"FP32 test accuracy {metrics['fp32']:.4f} ({metrics['train_fp32_s']:.0f} s)", flush=True)

@@ -68,9 +68,9 @@ def main() -> None:
     paths["int8_deploy"] = student(folder, "int8", "INT8", model, sample)
     raw = student(folder, "int4", "INT4", model, sample)
     paths["int4_int8_storage"] = raw
-    for fmt in ("matmulnbits", "dq_int4"):
+    for fmt, level in (("matmulnbits", 0), ("matmulnbits_acc4", 4), ("dq_int4", 0)):
         proto = onnx.load(raw)
-        n = pack_int4_weights(proto, fmt)
+        n = pack_int4_weights(proto, fmt.removesuffix("_acc4"), accuracy_level=level)
         paths[f"int4_{fmt}"] = os.path.join(folder, f"int4_{fmt}.onnx")
         onnx.save(proto, paths[f"int4_{fmt}"])
         print(f"{fmt}: {n} Linear weights rewritten")

@@ -72,9 +72,10 @@ def _linear_of(dq: onnx.NodeProto, users: dict) -> tuple[onnx.NodeProto, list[on
     return None
 
 
-def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits") -> int:
+def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits", accuracy_level: int = 0) -> int:
     """Rewrite ``model`` (in place) so its Linear INT4 weights are stored as 4 bits; returns how
-    many were rewritten."""
+    many were rewritten. ``accuracy_level`` (MatMulNBits): 0 computes in float from the unpacked
+    weights; 4 lets ORT quantize the activations to int8 per block and use its int8 kernels."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if fmt == "dq_int4" and any(o.domain in ("", "ai.onnx") and o.version < 21 for o in model.opset_import):
@@ -123,7 +124,7 @@ def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits") -> int:
         mm_out = out + "_nbits" if bias else out
         new = [helper.make_node("MatMulNBits", [user.input[0], base + "_q4", base + "_q4_scales"], [mm_out],
                                 name=(user.name or base) + "_MatMulNBits", domain="com.microsoft", K=k, N=n, bits=4,
-                                block_size=bs)]
+                                block_size=bs, accuracy_level=accuracy_level)]
         if bias:
             new.append(helper.make_node("Add", [mm_out, bias], [out], name=(user.name or base) + "_bias"))
         at = list(graph.node).index(user)
