@@ -178,6 +178,7 @@ def test_data_dump_gives_the_same_training(tmp_path):
         torch.testing.assert_close(results[1][k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # end to end: create, distill, restore, save
 def test_filter_pruned_int8_student_distills_saves_and_restores_exactly(tmp_path):
     m = ResBlockNet().eval()
     x = example_input("ResBlockNet")
