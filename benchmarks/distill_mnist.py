@@ -51,7 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/distill_mnist")
     ap.add_argument("--epochs", type=int, default=2, help="distillation epochs over the 4,000 training images")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="distill lr for INT8")
+    ap.add_argument("--lr-filter", type=float, default=3e-3, help="distill lr for 50 %% filter + INT8")
+    ap.add_argument("--flows", default="int8,filter50_int8")
     ap.add_argument("--fp32-epochs", type=int, default=15, help="epochs of the FP32 model (the demo's recipe: 15)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -60,7 +62,12 @@ def main() -> None:
     x_train, y_train, x_test, y_test = load_mnist_5k()
     t0 = time.perf_counter()
     fp32 = MnistNet()
-    train_mnist(fp32, x_train, y_train, seed=args.seed, progress=False, epochs=args.fp32_epochs)
+    cached = os.path.join(args.out, f"fp32_seed{args.seed}_epochs{args.fp32_epochs}.pth")
+    if os.path.isfile(cached):  # the FP32 model of an earlier run with the same settings
+        fp32.load_state_dict(torch.load(cached, weights_only=True))
+    else:
+        train_mnist(fp32, x_train, y_train, seed=args.seed, progress=False, epochs=args.fp32_epochs)
+        torch.save(fp32.state_dict(), cached)
     fp32.eval()
     metrics = {"fp32": evaluate(fp32, x_test, y_test), "train_fp32_s": time.perf_counter() - t0}
     print(f"FP32 test accuracy {metrics['fp32']:.4f} ({metrics['train_fp32_s']:.0f} s)", flush=True)
@@ -71,7 +78,7 @@ def main() -> None:
     with open(cfg, "w") as f:
         f.write(INT8)
     amct.create_distill_config(js, fp32, x, cfg)
-    for name in ("int8", "filter50_int8"):
+    for name in args.flows.split(","):
         t = time.perf_counter()
         if name == "int8":
             student = amct.create_distill_model(js, fp32, x)
@@ -85,7 +92,7 @@ def main() -> None:
         with torch.no_grad():
             student.eval()(images[0])
         before = evaluate(student, x_test, y_test)
-        amct.distill(fp32, student, js, images, epochs=args.epochs, lr=args.lr)
+        amct.distill(fp32, student, js, images, epochs=args.epochs, lr=args.lr if name == "int8" else args.lr_filter)
         after = evaluate(student, x_test, y_test)
         prefix = os.path.join(args.out, name)
         amct.save_distill_model(student, prefix, x, record_file=record, input_names=["x"], output_names=["logits"],
