@@ -206,7 +206,6 @@ class Sparsity24(Technique):
 
     def apply(self, ctx: Context, state: SparsityState) -> None:
         from openamct.prune.nm import NMSparsifier
-
         from openamct.prune.nm_aware import DataAwareNMSparsifier
 
         for name, packed in state.masks.items():
