@@ -33,6 +33,7 @@ test-fast: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iopenamct/config --python_out=openamct/config openamct/config/retrain_config.proto
 	$(PY) -m grpc_tools.protoc -Iopenamct/config --python_out=openamct/config openamct/config/auto_channel_prune_config.proto
+	$(PY) -m grpc_tools.protoc -Iopenamct/distill --python_out=openamct/distill openamct/distill/distill_config.proto
 	$(PY) -m grpc_tools.protoc -Iopenamct/record --python_out=openamct/record openamct/record/scale_offset_record.proto
 
 lint: $(STAMP)

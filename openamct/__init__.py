@@ -20,6 +20,13 @@ from openamct.api import (
     save_prune_retrain_model,
     save_quant_retrain_model,
 )
+from openamct.distill import (
+    DistillSampleBase,
+    create_distill_config,
+    create_distill_model,
+    distill,
+    save_distill_model,
+)
 from openamct.tensor_decompose import auto_decomposition, decompose_network
 
 __version__ = "0.1.0"
@@ -30,6 +37,7 @@ __all__ = [
     "create_quant_retrain_config", "create_quant_retrain_model", "restore_quant_retrain_model",
     "save_quant_retrain_model", "auto_channel_prune_search", "auto_decomposition", "decompose_network",
     "convert_qat_model", "dynamic_quantize_lstm",
+    "create_distill_config", "create_distill_model", "distill", "save_distill_model", "DistillSampleBase",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -223,6 +223,9 @@ class CompressedLayer(WeightOp):
 
     def forward(self, x: Tensor) -> Tensor:
         tap = None
+        observe = getattr(self.sparsity, "observe", None)
+        if observe is not None:  # a data-aware 2:4 mask reads the layer's input (prune/nm_aware.py)
+            observe(x)
         if self.act_quant is not None and not self.input_on_grid:
             if self._taps_input(x):
                 with torch.no_grad():

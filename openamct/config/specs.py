@@ -53,6 +53,8 @@ class FilterSpec:
 @dataclass(frozen=True)
 class NMSpec:
     update_freq: int = 0
+    data_aware: bool = False  # openamct's activation_aware_prune: |w| * ||x|| over batch_num forwards
+    batch_num: int = 1
     n: int = 2
     m: int = 4
 

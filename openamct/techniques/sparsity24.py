@@ -169,7 +169,10 @@ class Sparsity24(Technique):
         block = self.prune_block(cfg, info, notes)
         if block is None:
             return None
-        return NMSpec(update_freq=int(block.prune_config.n_out_of_m_pruner.l1_selective_prune.update_freq))
+        nm = block.prune_config.n_out_of_m_pruner
+        if nm.WhichOneof("n_out_of_m_algo") == "activation_aware_prune":
+            return NMSpec(update_freq=0, data_aware=True, batch_num=max(1, int(cfg.batch_num)))
+        return NMSpec(update_freq=int(nm.l1_selective_prune.update_freq))
 
     def owns(self, entry: PruneRecord) -> bool:
         return is_mask_entry(entry)
@@ -203,9 +206,14 @@ class Sparsity24(Technique):
 
     def apply(self, ctx: Context, state: SparsityState) -> None:
         from openamct.prune.nm import NMSparsifier
+        from openamct.prune.nm_aware import DataAwareNMSparsifier
 
         for name, packed in state.masks.items():
-            sp = NMSparsifier.from_module(ctx.model.get_submodule(name), ctx.plan.layers[name].specs[self.name].update_freq)
+            spec, module = ctx.plan.layers[name].specs[self.name], ctx.model.get_submodule(name)
+            if spec.data_aware and module.weight.shape and getattr(module, "groups", 1) == 1:
+                sp = DataAwareNMSparsifier.from_module(module, 0, spec.batch_num)
+            else:
+                sp = NMSparsifier.from_module(module, spec.update_freq)
             if packed is not None:
                 sp.set_mask_bits(packed[1])
                 state.recorded[name] = packed[1]

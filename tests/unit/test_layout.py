@@ -55,6 +55,7 @@ LAYERS = [
     ("large",),  # wired in from above (pipeline) through named hooks: never imported below
     ("pipeline",),
     ("tensor_decompose",),  # auto_decomposition / decompose_network: a model transform before create
+    ("distill",),  # upstream's distillation family: the group-wise loop over pipeline's create/save
     ("search",),
     ("api",),
     ("openamct",),
