@@ -13,6 +13,7 @@ from torch import nn
 
 import openamct as amct
 from openamct.nn.module.quantization import Conv2dQAT, Conv3dQAT, LinearQAT
+from tests.runtimes import openvino_compile
 
 DATA = {"fixed_min": True}
 
@@ -72,6 +73,8 @@ def test_convert_fake_quant_reproduces_torch_and_deploy_is_integer(trained, tmp_
     fake, deploy = str(tmp_path / "out_fake_quant_model.onnx"), str(tmp_path / "out_deploy_model.onnx")
     assert np.abs(_run(fake, x) - ref).max() <= 1e-5 * np.abs(ref).max()
     assert np.abs(_run(deploy, x) - ref).max() <= 0.05 * np.abs(ref).max()
+    ov = openvino_compile(deploy, 1)
+    assert np.abs(ov(x.numpy())[0] - ref).max() <= 0.05 * np.abs(ref).max()  # OpenVINO runs it too
     ops = [n.op_type for n in onnx.load(fake).graph.node]
     assert "QuantizeLinear" not in ops and ops.count("Round") == 3  # three input quantizers, as float ops
     kernels = _kernels(deploy, tmp_path)
