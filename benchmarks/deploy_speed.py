@@ -14,7 +14,7 @@ the stem is pruned too because its channels are the identity path of layer1, pru
 with layer1's convs), then INT8, vs the full FP32 model.
 
 Timing: sessions run interleaved (round robin, order rotated every round, blocks of 5 runs
-after a 50 ms pause so the previous session's spinning threads are idle), median per model.
+after a 50 ms pause so the previous ORT run's spinning threads are idle), median per model.
 
 Measured here (2 cores, AVX-512 VNNI, ORT 1.32, shared machine, --runs 60 --builders):
   resnet18 (1x3x224x224)  fp32 58.7 ms | openamct 17.3 ms (3.39x) | quantize_static 19.2 ms (3.06x)

@@ -104,7 +104,7 @@ def bench(paths: dict[str, str], x: np.ndarray, runs: int, threads: int) -> dict
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(max(1, runs // BLOCK)):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            time.sleep(0.05)  # the previous session's spinning threads go idle first
+            time.sleep(0.05)  # the previous ORT run's spinning threads go idle first
             for i in range(BLOCK + 1):
                 t = time.perf_counter()
                 sess[k].run(None, feeds[k])

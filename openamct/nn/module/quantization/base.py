@@ -32,9 +32,16 @@ from openamct.techniques.quantization import make_weight_quantizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QATLayer", "MARKER_QMIN", "MARKER_QMAX"]
+__all__ = ["QATLayer", "MARKER_QMIN", "MARKER_QMAX", "CONV_FIELDS", "CONV_TRANSPOSE_FIELDS"]
 
 MARKER_QMIN, MARKER_QMAX = 0, 255  # the output-range pair: uint8, unlike the int8 quantizers
+
+
+# ``QATLayer._ctor_fields`` of the convolutions and the transposed ones.
+CONV_FIELDS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+               "padding_mode")
+CONV_TRANSPOSE_FIELDS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "output_padding",
+                         "groups", "dilation", "padding_mode")
 
 
 class QATLayer(CompressedLayer):
@@ -83,10 +90,9 @@ class QATLayer(CompressedLayer):
             wq.init_from(self.weight.detach())  # as CompressedLayer.from_parts: final shape before any optimizer
         self.out_observer = RangeObserver().to(device)
 
-    @classmethod
-    def _ctor_kwargs(cls, mod: nn.Module) -> dict:
-        """The torch constructor's arguments that rebuild ``mod`` (``from_float``)."""
-        raise NotImplementedError
+    # The torch constructor's arguments (bias, device and dtype aside) that rebuild a module of
+    # ``_layer_cls`` in ``from_float``: its attributes of the same names.
+    _ctor_fields: tuple[str, ...] = ()
 
     @classmethod
     def from_float(cls, mod: nn.Module, config=None) -> QATLayer:
@@ -98,7 +104,7 @@ class QATLayer(CompressedLayer):
             extra = " (it is already a quantized layer)" if isinstance(mod, CompressedLayer) else ""
             raise TypeError(f"mod: {cls.__name__}.from_float expects a torch.nn.{want.__name__}, got {got}{extra}")
         parse_qat_config(config, want.__name__)  # a bad config fails before anything is built
-        kwargs = cls._ctor_kwargs(mod)
+        kwargs = {k: getattr(mod, k) for k in cls._ctor_fields}
         qat = cls.__new__(cls)
         want.__init__(qat, **kwargs, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
         qat.weight = nn.Parameter(mod.weight.detach().clone(), requires_grad=mod.weight.requires_grad)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from openamct.nn.module.quantization.base import QATLayer
+from openamct.nn.module.quantization.base import CONV_FIELDS, QATLayer
 
 __all__ = ["Conv3dQAT"]
 
@@ -12,6 +12,7 @@ __all__ = ["Conv3dQAT"]
 class Conv3dQAT(QATLayer, nn.Conv3d):
     """``nn.Conv3d``'s constructor plus ``config`` (see ``config``); ``from_float(mod, config)``."""
 
+    _ctor_fields = CONV_FIELDS
     _layer_cls = nn.Conv3d
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
@@ -20,7 +21,3 @@ class Conv3dQAT(QATLayer, nn.Conv3d):
                            padding_mode, device=device, dtype=dtype)
         self._setup_qat(config)
 
-    @classmethod
-    def _ctor_kwargs(cls, mod: nn.Module) -> dict:
-        return {k: getattr(mod, k) for k in ("in_channels", "out_channels", "kernel_size", "stride", "padding",
-                                             "dilation", "groups", "padding_mode")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from openamct.nn.module.quantization.base import QATLayer
+from openamct.nn.module.quantization.base import CONV_TRANSPOSE_FIELDS, QATLayer
 
 __all__ = ["ConvTranspose2dQAT"]
 
@@ -14,6 +14,7 @@ __all__ = ["ConvTranspose2dQAT"]
 class ConvTranspose2dQAT(QATLayer, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d``'s constructor plus ``config``; ``from_float(mod, config)``."""
 
+    _ctor_fields = CONV_TRANSPOSE_FIELDS
     _layer_cls = nn.ConvTranspose2d
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0, groups=1,
@@ -22,10 +23,6 @@ class ConvTranspose2dQAT(QATLayer, nn.ConvTranspose2d):
                                     groups, bias, dilation, padding_mode, device=device, dtype=dtype)
         self._setup_qat(config)
 
-    @classmethod
-    def _ctor_kwargs(cls, mod: nn.Module) -> dict:
-        return {k: getattr(mod, k) for k in ("in_channels", "out_channels", "kernel_size", "stride", "padding",
-                                             "output_padding", "groups", "dilation", "padding_mode")}
 
     def forward(self, x, output_size=None):
         if output_size is not None:

@@ -13,12 +13,9 @@ class LinearQAT(QATLayer, nn.Linear):
     """``nn.Linear``'s constructor plus ``config`` (weights per tensor unless ``channel_wise``);
     ``from_float(mod, config)``."""
 
+    _ctor_fields = ("in_features", "out_features")
     _layer_cls = nn.Linear
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias, device=device, dtype=dtype)
         self._setup_qat(config)
-
-    @classmethod
-    def _ctor_kwargs(cls, mod: nn.Module) -> dict:
-        return {"in_features": mod.in_features, "out_features": mod.out_features}
