@@ -33,17 +33,23 @@ def plan_to_json(plan: Plan, technique: str, types: tuple[str, ...]) -> dict:
         spec = lp.specs.get(technique)
         entry: dict = {"retrain_enable": spec is not None}
         if spec is not None:
-            a, w = spec.act, spec.wts
-            d = {"algo": "ulq_quantize", "dst_type": a.dst_type}
-            if a.clip_max is not None:
-                d.update(clip_max=a.clip_max, clip_min=a.clip_min)
-            if a.fixed_min is not None:
-                d["fixed_min"] = a.fixed_min
-            entry["retrain_data_config"] = d
-            entry["retrain_weight_config"] = {"algo": f"{w.algo}_retrain", "channel_wise": w.channel_wise,
-                                              "dst_type": w.dst_type}
+            entry.update(quant_entry(spec, "retrain"))
         data[name] = entry
     return data
+
+
+def quant_entry(spec, family: str) -> dict:
+    """A layer's ``{family}_data_config`` and ``{family}_weight_config`` JSON for its QuantSpec
+    (``family``: "retrain" here, "distill" in the distillation JSON)."""
+    a, w = spec.act, spec.wts
+    d = {"algo": "ulq_quantize", "dst_type": a.dst_type}
+    if a.clip_max is not None:
+        d.update(clip_max=a.clip_max, clip_min=a.clip_min)
+    if a.fixed_min is not None:
+        d["fixed_min"] = a.fixed_min
+    return {f"{family}_data_config": d,
+            f"{family}_weight_config": {"algo": f"{w.algo}_{family}", "channel_wise": w.channel_wise,
+                                        "dst_type": w.dst_type}}
 
 
 def quant_slice(techniques: Sequence) -> tuple[str, tuple[str, ...]]:

@@ -25,6 +25,7 @@ from google.protobuf import text_format
 from openamct._atomic import atomic_write_bytes
 from openamct.config.errors import ConfigError, locate
 from openamct.config.parse import read_config_file
+from openamct.config.quant_json import quant_entry
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
 from openamct.config.specs import Plan
 from openamct.distill.distill_config_pb2 import AMCTDistillConfig
@@ -132,15 +133,7 @@ def plan_to_json(plan: Plan, cfg: AMCTDistillConfig, groups: list[list[str]]) ->
         q = lp.quant
         entry: dict = {"quant_enable": q is not None}
         if q is not None:
-            a, w = q.act, q.wts
-            d = {"algo": "ulq_quantize", "dst_type": a.dst_type}
-            if a.clip_max is not None:
-                d.update(clip_max=a.clip_max, clip_min=a.clip_min)
-            if a.fixed_min is not None:
-                d["fixed_min"] = a.fixed_min
-            entry["distill_data_config"] = d
-            entry["distill_weight_config"] = {"algo": f"{w.algo}_distill", "channel_wise": w.channel_wise,
-                                              "dst_type": w.dst_type}
+            entry.update(quant_entry(q, "distill"))
         data[name] = entry
     return data
 
