@@ -38,9 +38,7 @@ sys.path.insert(0, ROOT)
 import openamct as amct  # noqa: E402
 from examples import minilm_helpers as minilm  # noqa: E402
 
-NAMES = ["input_ids", "attention_mask"]
-AXES = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
-        "embedding": {0: "batch"}}
+NAMES, AXES = minilm.ONNX_INPUTS, minilm.ONNX_AXES
 CFGS = {
     "int8": "distill_weight_quant_config { arq_distill { dst_type: INT8 channel_wise: true } }\n",
     "int4": "distill_weight_quant_config { arq_distill { dst_type: INT4 channel_wise: true } }\n",

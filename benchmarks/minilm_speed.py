@@ -37,9 +37,7 @@ import openamct as amct  # noqa: E402
 from examples import minilm_helpers as minilm  # noqa: E402
 from openamct.export.writer import export_onnx, write_onnx  # noqa: E402
 
-NAMES = ["input_ids", "attention_mask"]
-AXES = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
-        "embedding": {0: "batch"}}
+NAMES, AXES = minilm.ONNX_INPUTS, minilm.ONNX_AXES
 CONFIGS = {"int8": os.path.join(ROOT, "examples", "minilm_int8.cfg"),
            "24_int8": os.path.join(ROOT, "examples", "minilm_24_int8.cfg")}
 # What ORT turned the layers into: integer kernels vs float ones.

@@ -49,9 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"int8": os.path.join(HERE, "minilm_int8.cfg"),
            "24_int8": os.path.join(HERE, "minilm_24_int8.cfg")}
 TARGETS = {"int8": 0.98, "24_int8": 0.95}  # held-out mean cosine to FP32
-NAMES = ["input_ids", "attention_mask"]
-AXES = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
-        "embedding": {0: "batch"}}
+NAMES, AXES = minilm.ONNX_INPUTS, minilm.ONNX_AXES
 
 
 def fmt(m: dict) -> str:

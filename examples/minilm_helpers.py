@@ -35,9 +35,15 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PAIR", "PAIR_COSINE", "SentenceEncoder", "require_examples", "model_path", "load_minilm",
+__all__ = ["ONNX_INPUTS", "ONNX_AXES", "PAIR", "PAIR_COSINE", "SentenceEncoder", "require_examples", "model_path", "load_minilm",
            "tokenize", "stdlib_sentences", "split_held_out", "embed", "embed_onnx", "compare",
            "pair_cosine", "distill"]
+
+# Names and dynamic axes of the encoder's ONNX files (``SentenceEncoder``: ids and mask in,
+# one embedding per sentence out).
+ONNX_INPUTS = ["input_ids", "attention_mask"]
+ONNX_AXES = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
+             "embedding": {0: "batch"}}
 
 # sentence-transformers' own example pair; 0.7553 with the FP32 model.
 PAIR = ("A man is eating food.", "A man is eating a piece of bread.")
