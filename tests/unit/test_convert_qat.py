@@ -14,6 +14,7 @@ from torch import nn
 import openamct as amct
 from openamct.nn.module.quantization import Conv2dQAT, Conv3dQAT, LinearQAT
 from tests.runtimes import openvino_compile
+from tests.training import sgd_steps
 
 DATA = {"fixed_min": True}
 
@@ -142,12 +143,7 @@ def test_conv3d_single_op_deploys_as_qlinearconv(tmp_path):
                         Conv3dQAT(8, 8, (1, 3, 3), padding=(0, 1, 1), config={"retrain_data_config": DATA}),
                         nn.ReLU(), Conv3dQAT(8, 4, 1, config={"retrain_data_config": DATA}))
     x = torch.randn(2, 3, 4, 8, 8)
-    opt = torch.optim.SGD(net.parameters(), 0.01)
-    for _ in range(2):
-        loss = net(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(net, x, steps=2, lr=0.01)
     net.eval()
     amct.save_quant_retrain_model("c.json", net, "r.txt", str(tmp_path / "v"), (x,))
     ref = net(x).detach().numpy()
@@ -163,12 +159,7 @@ def test_int16_inputs_deploy_as_ort_int16_qdq(tmp_path):
                         LinearQAT(8 * 16, 5, config=cfg16))
     assert net[0].act_quant.format.name == "INT16" and net[0].act_quant.format.qmax == 32767
     x = torch.randn(8, 3, 8, 8)
-    opt = torch.optim.SGD(net.parameters(), 0.01)
-    for _ in range(2):
-        loss = net(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(net, x, steps=2, lr=0.01)
     net.eval()
     ref = net(x).detach().numpy()
     torch.onnx.export(net, (x,), str(tmp_path / "q.onnx"), dynamo=False)
