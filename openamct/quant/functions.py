@@ -1,4 +1,5 @@
-"""Fake-quant autograd Functions (docs/dev/reference.md, Algorithms): ULQ activations, ARQ and ULQ weights.
+"""Fake-quant arithmetic (docs/dev/reference.md, Algorithms): ULQ qparams, the per-tensor and
+per-channel fake quant, and the ARQ and ULQ weight Functions (ULQ activations: ``ulq_act.py``).
 
 Ranges. Each function takes the integer range from a ``QuantFormat`` (``openamct.formats``) passed
 as an argument: INT8 (the default everywhere) for activations, INT8 or INT4 for weights.
@@ -22,7 +23,6 @@ that is simply axis 1; with groups > 1 the weight is regrouped as
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "QMIN", "QMAX", "SCALE_EPS", "graph_mode", "ulq_qparams", "fake_quant_per_tensor",
     "fake_quant_per_channel", "to_channel_major", "from_channel_major", "arq_scales",
-    "ulq_qparams_float", "ULQActFunction", "ARQWeightFunction", "ULQWeightFunction", "ulq_act_fake_quant",
+    "ulq_qparams_float", "ARQWeightFunction", "ULQWeightFunction",
     "arq_weight_fake_quant", "ulq_weight_fake_quant",
 ]
 
@@ -130,109 +130,6 @@ def fake_quant_per_tensor(x: Tensor, scale, zero_point, qmin: int = QMIN, qmax: 
     y.round_()
     y.clamp_(qmin - zero_point, qmax - zero_point)
     return y.mul_(scale)
-
-
-def _autocast_on(x: Tensor) -> bool:
-    try:
-        return torch.is_autocast_enabled(x.device.type)
-    except (TypeError, RuntimeError):  # torch < 2.4 has no device argument; meta has no autocast
-        return False
-
-
-def _no_autocast(x: Tensor):
-    """Autocast off for ``x``'s device while a quantizer computes in float32 (a context)."""
-    return torch.autocast(x.device.type, enabled=False) if _autocast_on(x) else contextlib.nullcontext()
-
-
-def _tensor_qparams(qparams, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``ulq_qparams``' four 0-dim float32 tensors on ``like``'s device (floats accepted)."""
-    return tuple(q if isinstance(q, Tensor) else torch.tensor(float(q), dtype=torch.float32, device=like.device)
-                 for q in qparams)
-
-
-class ULQActFunction(Function):
-    """ULQ fake-quant with learnable clips; forward = built-in formula, backward = upstream's
-    (docs/dev/reference.md, Algorithms).
-
-    ``apply(x, clip_max, clip_min, fixed_min, qparams, fmt)`` with ``qparams = ulq_qparams(...)`` of
-    the same clips and format (0-dim float32 tensors; ``ulq_qparams_float``'s numbers are accepted too).
-    Nothing is read back to the host, so a training step on an accelerator never waits here.
-    In range means y_min <= x <= y_max (the outermost representable levels, as upstream). dx = g
-    in range, 0 outside. With e = (round(r) - r)/255 and r = clip(x)/s:
-    dcmax = sum((e + upper) g), dcmin = sum((lower - e) g). In range round(r) - r = (y - x)/s, so
-    that part is one dot product; out of range r is the constant cmax/s or cmin/s.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min: bool, qparams,
-                fmt: QuantFormat = INT8_ACT) -> Tensor:
-        qp = _tensor_qparams(qparams, x)
-        y = fake_quant_per_tensor(x, qp[0], qp[1], fmt.qmin, fmt.qmax)
-        # Only x is kept: y is recomputed in backward, so code after the quantizer may modify its
-        # output in place (HF ResNet's ``hidden_state += residual`` on a quantized conv output).
-        ctx.save_for_backward(x, *qp)
-        ctx.consts = (bool(fixed_min), clip_max.dtype, fmt)
-        return y
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        x, s, zp, cmax, cmin = ctx.saved_tensors
-        fixed_min, pdtype, fmt = ctx.consts
-        levels = fmt.levels
-        with _no_autocast(x):
-            g = g.to(x.dtype)
-            y_lo, y_hi = (fmt.qmin - zp) * s, (fmt.qmax - zp) * s  # float32, as the scalar code rounded them
-            # Few full-size temporaries: on the CPU each new one costs its first-touch page faults
-            # more than the arithmetic. clamp with tensor bounds is a scalar loop there, so the
-            # bounds are applied with maximum/minimum against 0-dim tensors.
-            x_c = torch.maximum(x, y_lo)
-            torch.minimum(x_c, y_hi, out=x_c)
-            gx = g.masked_fill(torch.ne(x_c, x), 0.0)  # g in range, 0 outside
-            grad_max = grad_min = None
-            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-                # y - x in range (y of the clamped input: finite even where x is inf); outside,
-                # where gx is 0, x_c sits on the outermost level and y - x_c is 0 anyway.
-                y = fake_quant_per_tensor(x_c, s, zp, fmt.qmin, fmt.qmax)
-                s_in = torch.dot(y.sub_(x_c).reshape(-1), gx.reshape(-1)) / (levels * s)
-                sat = x_c.sub_(x).neg_().sign_()  # +1 above y_hi, -1 below y_lo, 0 in range
-                g_diff = torch.dot(g.reshape(-1), sat.reshape(-1))  # g_up - g_lo
-                g_sum = g.sum() - gx.sum()  # g_up + g_lo
-                g_up, g_lo = (g_sum + g_diff) / 2, (g_sum - g_diff) / 2
-                e_up = (torch.round(cmax / s) - cmax / s) / levels
-                grad_max = s_in + (1.0 + e_up) * g_up
-                if not fixed_min:  # fixed_min pins cmin at 0: e_lo = 0 and no clip_min gradient
-                    e_lo = (torch.round(cmin / s) - cmin / s) / levels
-                    grad_max = grad_max + e_lo * g_lo
-                    grad_min = (-s_in - e_up * g_up + (1.0 - e_lo) * g_lo).to(pdtype)
-                grad_max = grad_max.to(pdtype)
-        return (gx if ctx.needs_input_grad[0] else None), grad_max, grad_min, None, None, None
-
-
-def ulq_act_fake_quant(x: Tensor, clip_max: Tensor, clip_min: Tensor, fixed_min,
-                       fmt: QuantFormat = INT8_ACT) -> Tensor:
-    """Dispatch: built-in op with tensor qparams while exporting, the autograd Function when a
-    gradient is needed, the plain (composite or built-in) op otherwise. ``fixed_min``: a bool
-    (``ActULQ`` passes its host copy; a tensor is read). No host read of the clips: the qparams
-    are ``ulq_qparams``' tensors on the device.
-
-    Autocast-safe: a bf16/fp16 input is quantized as its float32 cast, with autocast off
-    (fp16 sums of a large activation overflow, and the grid needs float32 scales); the output
-    is float32 under autocast (the next op casts it as autocast decides), else ``x``'s dtype."""
-    if graph_mode():
-        scale, zp, _, _ = ulq_qparams(clip_max, clip_min, fixed_min, fmt)
-        return torch.fake_quantize_per_tensor_affine(
-            x, scale.to(x.device), zp.to(device=x.device, dtype=torch.int32), fmt.qmin, fmt.qmax)
-    fixed = bool(fixed_min)
-    if x.is_floating_point() and x.dtype != torch.float32:
-        amp = _autocast_on(x)
-        with _no_autocast(x):
-            y = ulq_act_fake_quant(x.float(), clip_max, clip_min, fixed, fmt)
-        return y if amp else y.to(x.dtype)
-    qp = ulq_qparams(clip_max, clip_min, fixed, fmt)
-    if torch.is_grad_enabled() and (x.requires_grad or clip_max.requires_grad
-                                    or (clip_min.requires_grad and not fixed)):
-        return ULQActFunction.apply(x, clip_max, clip_min, fixed, qp, fmt)
-    return fake_quant_per_tensor(x, qp[0], qp[1], fmt.qmin, fmt.qmax)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ from openamct.quant.functions import (
     arq_scales,
     arq_weight_fake_quant,
     graph_mode,
-    ulq_act_fake_quant,
     ulq_qparams_float,
     ulq_weight_fake_quant,
 )
+from openamct.quant.ulq_act import ulq_act_fake_quant
 
 logger = logging.getLogger(__name__)
 

@@ -142,7 +142,7 @@ def _int8_reader(model: nn.Module, n) -> bool:
         pool = model.get_submodule(n.name)
         return not getattr(pool, "ceil_mode", False) or bool(n.inputs) and covers_input(pool, n.inputs[0].shape)
     # in-place ones too (HF ResNet's ``hidden += residual``): the quantizers' backward keeps only
-    # their input (quant/functions.py ULQActFunction), so their output may be written over
+    # their input (quant/ulq_act.py), so their output may be written over
     return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.kwargs.get("ceil_mode", False)
 
 
