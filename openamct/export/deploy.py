@@ -357,6 +357,11 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(w) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
+        elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
+                                           and g.const(p.input[0]) is None for i in n.input[:2]):
+            # an activation x activation product (techniques/matmul_quant.py): MatMulIntegerToFloat,
+            # or QLinearMatMul where only quantizers of one qparams read its output
+            placed += _place(g, n.output[0], None)
         elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
