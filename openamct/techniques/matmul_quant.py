@@ -103,14 +103,14 @@ class MatMulQuantization(Technique):
     after = ("quant", "activation_quant")  # a model with quantized layers; the record lists it last
 
     def planned(self, plan: Plan) -> list[LayerPlan]:
-        # no config slice of its own: it follows the quantized layers, when the switch is on
-        return plan.selected("quant") if plan.activation_matmul else []
+        return plan.selected("quant")  # no config slice of its own: it follows the quantized layers
+
 
     def owns(self, entry: PruneRecord) -> bool:
         return _owned(entry)
 
     def plan(self, ctx: Context) -> MatMulState:
-        if not self.planned(ctx.plan):
+        if not ctx.plan.activation_matmul:  # the config's switch (off: nothing, no record entry)
             return MatMulState({})
         sites = find_sites(ctx.graph, ctx.model)
         logger.debug("activation x activation MatMuls: %d in %d modules",
