@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mix = nn.Parameter(torch.randn(dim, dim) * 0.2)
         self.drop = nn.Dropout(0.0)
+        self.fail = False  # raise after both products (a failed training forward)
 
     def forward(self, x):
         b, n, c = x.shape
@@ -43,6 +44,8 @@ class Attention(nn.Module):
         attn = (q * 0.35).matmul(k.transpose(-2, -1))
         attn = self.drop(attn.softmax(dim=-1))
         y = (attn @ v).transpose(1, 2).reshape(b, n, c)
+        if self.fail:
+            raise RuntimeError("failed after the products")
         return self.proj(y)
 
 
@@ -152,3 +155,26 @@ def test_off_by_default_and_restore_refuses_a_mismatch(saved, tmp_path):
     write_record(bad, record, header)
     with pytest.raises(ValueError, match="products"):
         amct.restore_compressed_retrain_model(_model(), x, saved["cfg"], bad, saved["ckpt"], "state_dict")
+
+
+def test_a_failed_forward_is_undone(tmp_path):
+    """A forward that raises after the products leaves the mode (the post hook always runs) and,
+    by the next forward, no trace in the quantizers: they initialise from the good batch."""
+    x = torch.randn(4, 12, 8)
+
+    def created(folder):
+        folder.mkdir()
+        m = amct.create_compressed_retrain_model(_model(), x, _cfg(folder, ON), str(folder / "r.txt"))
+        return m.train()
+
+    clean, m = created(tmp_path / "a"), created(tmp_path / "b")
+    clean(x)
+    m.attn.fail = True
+    with pytest.raises(RuntimeError, match="after the products"):
+        m(x * 1000)
+    assert torch._C._len_torch_function_stack() == 0
+    m.attn.fail = False
+    m(x)
+    for k, q in m.attn.matmul_quant.quantizers().items():
+        want = clean.attn.matmul_quant.quantizers()[k]
+        assert bool(q.initialized) and q.scale_offset() == want.scale_offset(), k
