@@ -8,6 +8,7 @@ each file's cosine to the FP32 model on one input and the float ops left in ORT'
 graph (which MatMul kernels ORT chose).
 
 Usage: PYTHONPATH=. python benchmarks/attention_matmul_speed.py [--runs 20] [--repeat 3] [--calib 4]
+       [--keep DIR]   (DIR keeps the four ONNX files; a second run with the same DIR only times them)
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--calib", type=int, default=4)
+    p.add_argument("--keep", default=None, help="folder for the ONNX files, reused when they are there")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -64,12 +66,17 @@ def main() -> None:
     shape = (1, 3, 224, 224)
     calib = [torch.randn(shape, generator=g) for _ in range(args.calib)]
     x = torch.randn(shape, generator=g).numpy()
-    with tempfile.TemporaryDirectory() as tmp:
-        fp32 = os.path.join(tmp, "fp32.onnx")
-        export_fp32(model, calib[0], fp32)
-        paths = {"fp32": fp32, "quantize_static": quantize_static(fp32, os.path.join(tmp, "qs.onnx"), calib),
-                 "matmul off": deploy(model, calib, QUANT_CFG, tmp, "off"),
-                 "matmul on": deploy(model, calib, QUANT_CFG + SWITCH, tmp, "on")}
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        os.makedirs(tmp, exist_ok=True)
+        paths = {"fp32": os.path.join(tmp, "fp32.onnx"), "quantize_static": os.path.join(tmp, "qs.onnx"),
+                 "matmul off": os.path.join(tmp, "off_deploy_model.onnx"),
+                 "matmul on": os.path.join(tmp, "on_deploy_model.onnx")}
+        if not all(os.path.exists(v) for v in paths.values()):
+            export_fp32(model, calib[0], paths["fp32"])
+            quantize_static(paths["fp32"], paths["quantize_static"], calib)
+            deploy(model, calib, QUANT_CFG, tmp, "off")
+            deploy(model, calib, QUANT_CFG + SWITCH, tmp, "on")
         reps = []
         for _ in range(args.repeat):
             sessions = {k: session(v) for k, v in paths.items()}
