@@ -5,6 +5,10 @@ standard-library sentences compared with the FP32 model's (examples/minilm_helpe
 cosine per sentence, nearest-neighbour agreement). Runs in torch (the fake-quant model computes
 what the deploy file does). Needs the ``examples`` extra.
 
+Measured (4 batches of 32, 256 held-out sentences): off mean cosine 0.9911, min 0.9764, top-1
+agreement 0.840, top-5 overlap 0.879; on 0.9907, 0.9747, 0.824, 0.882. A small loss before any
+training, which is why the switch is off by default (QAT may recover it; not measured).
+
 Usage: PYTHONPATH=. python benchmarks/attention_matmul_minilm.py [--calib 4] [--held-out 256]
 """
 
