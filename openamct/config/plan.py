@@ -37,7 +37,8 @@ def resolve_plan(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], api: s
                  src: str = "config") -> Plan:
     """Every layer's plan from a validated ``cfg``; ConfigError when it selects no layer."""
     slices = config_order(techniques)
-    plan = Plan({name: _resolve(info, cfg, api, slices) for name, info in layers.items()}, cfg.batch_num)
+    plan = Plan({name: _resolve(info, cfg, api, slices) for name, info in layers.items()}, cfg.batch_num,
+                activation_matmul=cfg.quantize_activation_matmul)
     if plan.is_empty():
         raise ConfigError(f"{src}: nothing to do: the config selects no layer of this model "
                           f"(supported layers: {', '.join(list(layers)[:8]) or 'none'})")

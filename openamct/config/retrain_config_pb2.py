@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14retrain_config.proto\x12\x0fopenamct.config\"\xfd\x04\n\x11\x41MCTRetrainConfig\x12\x14\n\tbatch_num\x18\x01 \x01(\r:\x01\x31\x12J\n\x19retrain_data_quant_config\x18\x02 \x01(\x0b\x32\'.openamct.config.RetrainDataQuantConfig\x12N\n\x1bretrain_weight_quant_config\x18\x03 \x01(\x0b\x32).openamct.config.RetrainWeightQuantConfig\x12\x13\n\x0bskip_layers\x18\x04 \x03(\t\x12\x45\n\x16override_layer_configs\x18\x05 \x03(\x0b\x32%.openamct.config.RetrainOverrideLayer\x12\x18\n\x10skip_layer_types\x18\x06 \x03(\t\x12G\n\x14override_layer_types\x18\x07 \x03(\x0b\x32).openamct.config.RetrainOverrideLayerType\x12\x32\n\x0cprune_config\x18\x08 \x01(\x0b\x32\x1c.openamct.config.PruneConfig\x12!\n\x19regular_prune_skip_layers\x18\t \x03(\t\x12 \n\x18regular_prune_skip_types\x18\n \x03(\t\x12\x19\n\x11quant_skip_layers\x18\x0b \x03(\t\x12\x18\n\x10quant_skip_types\x18\x0c \x03(\t\x12I\n\x18\x66\x61kequant_precision_mode\x18\x15 \x01(\x0e\x32\'.openamct.config.FakequantPrecisionMode\"_\n\x16RetrainDataQuantConfig\x12\x37\n\x0culq_quantize\x18\r \x01(\x0b\x32\x1f.openamct.config.ActULQquantizeH\x00\x42\x0c\n\nquant_algo\"\x89\x01\n\x0e\x41\x63tULQquantize\x12\x31\n\x0c\x63lip_max_min\x18\x01 \x01(\x0b\x32\x1b.openamct.config.ClipMaxMin\x12\x11\n\tfixed_min\x18\x02 \x01(\x08\x12\x31\n\x08\x64st_type\x18\x03 \x01(\x0e\x32\x19.openamct.config.DataType:\x04INT8\"0\n\nClipMaxMin\x12\x10\n\x08\x63lip_max\x18\x03 \x02(\x02\x12\x10\n\x08\x63lip_min\x18\x05 \x02(\x02\"\x91\x01\n\x18RetrainWeightQuantConfig\x12\x32\n\x0b\x61rq_retrain\x18\x01 \x01(\x0b\x32\x1b.openamct.config.ARQRetrainH\x00\x12\x35\n\x0bulq_retrain\x18\x02 \x01(\x0b\x32\x1e.openamct.config.WtsULQRetrainH\x00\x42\n\n\x08wts_algo\"U\n\nARQRetrain\x12\x31\n\x08\x64st_type\x18\x01 \x01(\x0e\x32\x19.openamct.config.DataType:\x04INT8\x12\x14\n\x0c\x63hannel_wise\x18\x02 \x01(\x08\"X\n\rWtsULQRetrain\x12\x31\n\x08\x64st_type\x18\x01 \x01(\x0e\x32\x19.openamct.config.DataType:\x04INT8\x12\x14\n\x0c\x63hannel_wise\x18\x02 \x01(\x08\"\xfa\x01\n\x14RetrainOverrideLayer\x12\x12\n\nlayer_name\x18\x01 \x02(\t\x12J\n\x19retrain_data_quant_config\x18\x02 \x01(\x0b\x32\'.openamct.config.RetrainDataQuantConfig\x12N\n\x1bretrain_weight_quant_config\x18\x03 \x01(\x0b\x32).openamct.config.RetrainWeightQuantConfig\x12\x32\n\x0cprune_config\x18\x04 \x01(\x0b\x32\x1c.openamct.config.PruneConfig\"\xfe\x01\n\x18RetrainOverrideLayerType\x12\x12\n\nlayer_type\x18\x01 \x02(\t\x12J\n\x19retrain_data_quant_config\x18\x02 \x01(\x0b\x32\'.openamct.config.RetrainDataQuantConfig\x12N\n\x1bretrain_weight_quant_config\x18\x03 \x01(\x0b\x32).openamct.config.RetrainWeightQuantConfig\x12\x32\n\x0cprune_config\x18\x04 \x01(\x0b\x32\x1c.openamct.config.PruneConfig\"\x90\x01\n\x0bPruneConfig\x12\x36\n\rfilter_pruner\x18\x01 \x01(\x0b\x32\x1d.openamct.config.FilterPrunerH\x00\x12;\n\x11n_out_of_m_pruner\x18\x02 \x01(\x0b\x32\x1e.openamct.config.NOutOfMPrunerH\x00\x42\x0c\n\nprune_algo\"s\n\x0c\x46ilterPruner\x12T\n\x1d\x62\x61lanced_l2_norm_filter_prune\x18\x01 \x01(\x0b\x32+.openamct.config.BalancedL2NormFilterPrunerH\x00\x42\r\n\x0b\x66ilter_algo\"Q\n\x1a\x42\x61lancedL2NormFilterPruner\x12\x13\n\x0bprune_ratio\x18\x01 \x02(\x02\x12\x1e\n\x10\x61scend_optimized\x18\x02 \x01(\x08:\x04true\"\xae\x01\n\rNOutOfMPruner\x12@\n\x12l1_selective_prune\x18\x01 \x01(\x0b\x32\".openamct.config.L1SelectivePrunerH\x00\x12H\n\x16\x61\x63tivation_aware_prune\x18\x64 \x01(\x0b\x32&.openamct.config.ActivationAwarePrunerH\x00\x42\x11\n\x0fn_out_of_m_algo\"T\n\x15\x41\x63tivationAwarePruner\x12;\n\x0fn_out_of_m_type\x18\x01 \x01(\x0e\x32\x1c.openamct.config.NOutOfMType:\x04M4N2\"h\n\x11L1SelectivePruner\x12;\n\x0fn_out_of_m_type\x18\x01 \x01(\x0e\x32\x1c.openamct.config.NOutOfMType:\x04M4N2\x12\x16\n\x0bupdate_freq\x18\x02 \x01(\r:\x01\x30*)\n\x08\x44\x61taType\x12\x08\n\x04INT4\x10\x00\x12\x08\n\x04INT8\x10\x01\x12\t\n\x05INT16\x10\x02*.\n\x16\x46\x61kequantPrecisionMode\x12\x14\n\x10\x46ORCE_FP16_QUANT\x10\x01*\x17\n\x0bNOutOfMType\x12\x08\n\x04M4N2\x10\x00')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14retrain_config.proto\x12\x0fopenamct.config\"\xa8\x05\n\x11\x41MCTRetrainConfig\x12\x14\n\tbatch_num\x18\x01 \x01(\r:\x01\x31\x12J\n\x19retrain_data_quant_config\x18\x02 \x01(\x0b\x32\'.openamct.config.RetrainDataQuantConfig\x12N\n\x1bretrain_weight_quant_config\x18\x03 \x01(\x0b\x32).openamct.config.RetrainWeightQuantConfig\x12\x13\n\x0bskip_layers\x18\x04 \x03(\t\x12\x45\n\x16override_layer_configs\x18\x05 \x03(\x0b\x32%.openamct.config.RetrainOverrideLayer\x12\x18\n\x10skip_layer_types\x18\x06 \x03(\t\x12G\n\x14override_layer_types\x18\x07 \x03(\x0b\x32).openamct.config.RetrainOverrideLayerType\x12\x32\n\x0cprune_config\x18\x08 \x01(\x0b\x32\x1c.openamct.config.PruneConfig\x12!\n\x19regular_prune_skip_layers\x18\t \x03(\t\x12 \n\x18regular_prune_skip_types\x18\n \x03(\t\x12\x19\n\x11quant_skip_layers\x18\x0b \x03(\t\x12\x18\n\x10quant_skip_types\x18\x0c \x03(\t\x12I\n\x18\x66\x61kequant_precision_mode\x18\x15 \x01(\x0e\x32\'.openamct.config.FakequantPrecisionMode\x12)\n\x1aquantize_activation_matmul\x18\x64 \x01(\x08:\x05\x66\x61lse\"_\n\x16RetrainDataQuantConfig\x12\x37\n\x0culq_quantize\x18\r \x01(\x0b\x32\x1f.openamct.config.ActULQquantizeH\x00\x42\x0c\n\nquant_algo\"\x89\x01\n\x0e\x41\x63tULQquantize\x12\x31\n\x0c\x63lip_max_min\x18\x01 \x01(\x0b\x32\x1b.openamct.config.ClipMaxMin\x12\x11\n\tfixed_min\x18\x02 \x01(\x08\x12\x31\n\x08\x64st_type\x18\x03 \x01(\x0e\x32\x19.openamct.config.DataType:\x04INT8\"0\n\nClipMaxMin\x12\x10\n\x08\x63lip_max\x18\x03 \x02(\x02\x12\x10\n\x08\x63lip_min\x18\x05 \x02(\x02\"\x91\x01\n\x18RetrainWeightQuantConfig\x12\x32\n\x0b\x61rq_retrain\x18\x01 \x01(\x0b\x32\x1b.openamct.config.ARQRetrainH\x00\x12\x35\n\x0bulq_retrain\x18\x02 \x01(\x0b\x32\x1e.openamct.config.WtsULQRetrainH\x00\x42\n\n\x08wts_algo\"U\n\nARQRetrain\x12\x31\n\x08\x64st_type\x18\x01 \x01(\x0e\x32\x19.openamct.config.DataType:\x04INT8\x12\x14\n\x0c\x63hannel_wise\x18\x02 \x01(\x08\"X\n\rWtsULQRetrain\x12\x31\n\x08\x64st_type\x18\x01 \x01(\x0e\x32\x19.openamct.config.DataType:\x04INT8\x12\x14\n\x0c\x63hannel_wise\x18\x02 \x01(\x08\"\xfa\x01\n\x14RetrainOverrideLayer\x12\x12\n\nlayer_name\x18\x01 \x02(\t\x12J\n\x19retrain_data_quant_config\x18\x02 \x01(\x0b\x32\'.openamct.config.RetrainDataQuantConfig\x12N\n\x1bretrain_weight_quant_config\x18\x03 \x01(\x0b\x32).openamct.config.RetrainWeightQuantConfig\x12\x32\n\x0cprune_config\x18\x04 \x01(\x0b\x32\x1c.openamct.config.PruneConfig\"\xfe\x01\n\x18RetrainOverrideLayerType\x12\x12\n\nlayer_type\x18\x01 \x02(\t\x12J\n\x19retrain_data_quant_config\x18\x02 \x01(\x0b\x32\'.openamct.config.RetrainDataQuantConfig\x12N\n\x1bretrain_weight_quant_config\x18\x03 \x01(\x0b\x32).openamct.config.RetrainWeightQuantConfig\x12\x32\n\x0cprune_config\x18\x04 \x01(\x0b\x32\x1c.openamct.config.PruneConfig\"\x90\x01\n\x0bPruneConfig\x12\x36\n\rfilter_pruner\x18\x01 \x01(\x0b\x32\x1d.openamct.config.FilterPrunerH\x00\x12;\n\x11n_out_of_m_pruner\x18\x02 \x01(\x0b\x32\x1e.openamct.config.NOutOfMPrunerH\x00\x42\x0c\n\nprune_algo\"s\n\x0c\x46ilterPruner\x12T\n\x1d\x62\x61lanced_l2_norm_filter_prune\x18\x01 \x01(\x0b\x32+.openamct.config.BalancedL2NormFilterPrunerH\x00\x42\r\n\x0b\x66ilter_algo\"Q\n\x1a\x42\x61lancedL2NormFilterPruner\x12\x13\n\x0bprune_ratio\x18\x01 \x02(\x02\x12\x1e\n\x10\x61scend_optimized\x18\x02 \x01(\x08:\x04true\"\xae\x01\n\rNOutOfMPruner\x12@\n\x12l1_selective_prune\x18\x01 \x01(\x0b\x32\".openamct.config.L1SelectivePrunerH\x00\x12H\n\x16\x61\x63tivation_aware_prune\x18\x64 \x01(\x0b\x32&.openamct.config.ActivationAwarePrunerH\x00\x42\x11\n\x0fn_out_of_m_algo\"T\n\x15\x41\x63tivationAwarePruner\x12;\n\x0fn_out_of_m_type\x18\x01 \x01(\x0e\x32\x1c.openamct.config.NOutOfMType:\x04M4N2\"h\n\x11L1SelectivePruner\x12;\n\x0fn_out_of_m_type\x18\x01 \x01(\x0e\x32\x1c.openamct.config.NOutOfMType:\x04M4N2\x12\x16\n\x0bupdate_freq\x18\x02 \x01(\r:\x01\x30*)\n\x08\x44\x61taType\x12\x08\n\x04INT4\x10\x00\x12\x08\n\x04INT8\x10\x01\x12\t\n\x05INT16\x10\x02*.\n\x16\x46\x61kequantPrecisionMode\x12\x14\n\x10\x46ORCE_FP16_QUANT\x10\x01*\x17\n\x0bNOutOfMType\x12\x08\n\x04M4N2\x10\x00')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'retrain_config_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=2519
-  _globals['_DATATYPE']._serialized_end=2560
-  _globals['_FAKEQUANTPRECISIONMODE']._serialized_start=2562
-  _globals['_FAKEQUANTPRECISIONMODE']._serialized_end=2608
-  _globals['_NOUTOFMTYPE']._serialized_start=2610
-  _globals['_NOUTOFMTYPE']._serialized_end=2633
+  _globals['_DATATYPE']._serialized_start=2562
+  _globals['_DATATYPE']._serialized_end=2603
+  _globals['_FAKEQUANTPRECISIONMODE']._serialized_start=2605
+  _globals['_FAKEQUANTPRECISIONMODE']._serialized_end=2651
+  _globals['_NOUTOFMTYPE']._serialized_start=2653
+  _globals['_NOUTOFMTYPE']._serialized_end=2676
   _globals['_AMCTRETRAINCONFIG']._serialized_start=42
-  _globals['_AMCTRETRAINCONFIG']._serialized_end=679
-  _globals['_RETRAINDATAQUANTCONFIG']._serialized_start=681
-  _globals['_RETRAINDATAQUANTCONFIG']._serialized_end=776
-  _globals['_ACTULQQUANTIZE']._serialized_start=779
-  _globals['_ACTULQQUANTIZE']._serialized_end=916
-  _globals['_CLIPMAXMIN']._serialized_start=918
-  _globals['_CLIPMAXMIN']._serialized_end=966
-  _globals['_RETRAINWEIGHTQUANTCONFIG']._serialized_start=969
-  _globals['_RETRAINWEIGHTQUANTCONFIG']._serialized_end=1114
-  _globals['_ARQRETRAIN']._serialized_start=1116
-  _globals['_ARQRETRAIN']._serialized_end=1201
-  _globals['_WTSULQRETRAIN']._serialized_start=1203
-  _globals['_WTSULQRETRAIN']._serialized_end=1291
-  _globals['_RETRAINOVERRIDELAYER']._serialized_start=1294
-  _globals['_RETRAINOVERRIDELAYER']._serialized_end=1544
-  _globals['_RETRAINOVERRIDELAYERTYPE']._serialized_start=1547
-  _globals['_RETRAINOVERRIDELAYERTYPE']._serialized_end=1801
-  _globals['_PRUNECONFIG']._serialized_start=1804
-  _globals['_PRUNECONFIG']._serialized_end=1948
-  _globals['_FILTERPRUNER']._serialized_start=1950
-  _globals['_FILTERPRUNER']._serialized_end=2065
-  _globals['_BALANCEDL2NORMFILTERPRUNER']._serialized_start=2067
-  _globals['_BALANCEDL2NORMFILTERPRUNER']._serialized_end=2148
-  _globals['_NOUTOFMPRUNER']._serialized_start=2151
-  _globals['_NOUTOFMPRUNER']._serialized_end=2325
-  _globals['_ACTIVATIONAWAREPRUNER']._serialized_start=2327
-  _globals['_ACTIVATIONAWAREPRUNER']._serialized_end=2411
-  _globals['_L1SELECTIVEPRUNER']._serialized_start=2413
-  _globals['_L1SELECTIVEPRUNER']._serialized_end=2517
+  _globals['_AMCTRETRAINCONFIG']._serialized_end=722
+  _globals['_RETRAINDATAQUANTCONFIG']._serialized_start=724
+  _globals['_RETRAINDATAQUANTCONFIG']._serialized_end=819
+  _globals['_ACTULQQUANTIZE']._serialized_start=822
+  _globals['_ACTULQQUANTIZE']._serialized_end=959
+  _globals['_CLIPMAXMIN']._serialized_start=961
+  _globals['_CLIPMAXMIN']._serialized_end=1009
+  _globals['_RETRAINWEIGHTQUANTCONFIG']._serialized_start=1012
+  _globals['_RETRAINWEIGHTQUANTCONFIG']._serialized_end=1157
+  _globals['_ARQRETRAIN']._serialized_start=1159
+  _globals['_ARQRETRAIN']._serialized_end=1244
+  _globals['_WTSULQRETRAIN']._serialized_start=1246
+  _globals['_WTSULQRETRAIN']._serialized_end=1334
+  _globals['_RETRAINOVERRIDELAYER']._serialized_start=1337
+  _globals['_RETRAINOVERRIDELAYER']._serialized_end=1587
+  _globals['_RETRAINOVERRIDELAYERTYPE']._serialized_start=1590
+  _globals['_RETRAINOVERRIDELAYERTYPE']._serialized_end=1844
+  _globals['_PRUNECONFIG']._serialized_start=1847
+  _globals['_PRUNECONFIG']._serialized_end=1991
+  _globals['_FILTERPRUNER']._serialized_start=1993
+  _globals['_FILTERPRUNER']._serialized_end=2108
+  _globals['_BALANCEDL2NORMFILTERPRUNER']._serialized_start=2110
+  _globals['_BALANCEDL2NORMFILTERPRUNER']._serialized_end=2191
+  _globals['_NOUTOFMPRUNER']._serialized_start=2194
+  _globals['_NOUTOFMPRUNER']._serialized_end=2368
+  _globals['_ACTIVATIONAWAREPRUNER']._serialized_start=2370
+  _globals['_ACTIVATIONAWAREPRUNER']._serialized_end=2454
+  _globals['_L1SELECTIVEPRUNER']._serialized_start=2456
+  _globals['_L1SELECTIVEPRUNER']._serialized_end=2560
 # @@protoc_insertion_point(module_scope)

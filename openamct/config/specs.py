@@ -94,6 +94,8 @@ class LayerPlan:
 class Plan:
     layers: dict[str, LayerPlan]
     batch_num: int = 1
+    # openamct's ``quantize_activation_matmul``: attention's activation x activation MatMuls in int8
+    activation_matmul: bool = False
 
     def selected(self, technique: str) -> list[LayerPlan]:
         """The layers whose plan has a slice for ``technique`` (by its name), in layer order."""

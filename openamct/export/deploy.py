@@ -357,6 +357,13 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(w) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
+        elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
+                                           and g.const(p.input[0]) is None for i in n.input[:2]):
+            # an activation x activation product (techniques/matmul_quant.py): QLinearMatMul where
+            # only quantizers of one qparams read its output, else MatMulIntegerToFloat (Swin-T
+            # window shapes, ORT 1.32: QLinearMatMul 0.97x MatMulIntegerToFloat + Q; with a DQ
+            # after it 1.15-1.2x MatMulIntegerToFloat, so a float reader gets no Q/DQ here)
+            placed += _place(g, n.output[0], None)
         elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the

@@ -27,6 +27,7 @@ from openamct.module_tree import set_module
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.functions import to_channel_major
+from openamct.quant.matmul import swap_matmul_quantizers
 from openamct.quant.residual import swap_hook_quantizers
 from openamct.techniques.base import ExportParts, Technique
 from openamct.training.decisions import KEY as DECISIONS_KEY
@@ -365,9 +366,10 @@ def fold_layers(model: nn.Module, build: Builder, techniques: Sequence[Technique
 
 
 def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) -> int:
-    """Give every QuantizedActivation and output hook of ``model`` (a working copy) the export
-    form of its quantizers, ``make(scale, offset)`` (FakeQuantAct or QDQAct); returns how many."""
+    """Give every QuantizedActivation, output hook and MatMul input quantizer of ``model`` (a
+    working copy) the export form of its quantizers, ``make(scale, offset)`` (FakeQuantAct or
+    QDQAct); returns how many."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedActivation)]
     for name, m in found:
         set_module(model, name, m.with_quantizers(make).eval())
-    return len(found) + swap_hook_quantizers(model, make)
+    return len(found) + swap_hook_quantizers(model, make) + swap_matmul_quantizers(model, make)

@@ -10,6 +10,7 @@ one module with a ``Technique`` subclass (see ``base``) and one line here.
 from openamct.techniques.activation_quant import ActivationQuant
 from openamct.techniques.base import Context, ExportParts, Technique
 from openamct.techniques.filter_prune import FilterPruning
+from openamct.techniques.matmul_quant import MatMulQuantization
 from openamct.techniques.order import ordered, train_losses
 from openamct.techniques.quantization import Quantization
 from openamct.techniques.sparsity24 import Sparsity24
@@ -19,6 +20,7 @@ TECHNIQUES: tuple[Technique, ...] = ordered((
     Sparsity24(),
     Quantization(),
     ActivationQuant(),
+    MatMulQuantization(),
 ))
 
 __all__ = ["TECHNIQUES", "Context", "ExportParts", "Technique", "ordered", "train_losses"]

@@ -25,6 +25,7 @@ from torch import nn
 
 from openamct.prune.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
+from openamct.quant.matmul import MatMulQuant
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, forget_host_flags
 from openamct.quant.residual import OutputQuantHook
 
@@ -44,7 +45,7 @@ def stateful_modules(model: nn.Module | None, layers: dict[str, nn.Module]) -> l
     for m in model.modules() if model is not None else ():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):  # the model's own: a failed forward's batch
             found.setdefault(id(m), (m, False))  # must not enter its running statistics either
-        if isinstance(m, QuantizedActivation):
+        if isinstance(m, (QuantizedActivation, MatMulQuant)):
             for q in m.quantizers().values():
                 found.setdefault(id(q), (q, False))
         for hook in m._forward_hooks.values():

@@ -1,0 +1,34 @@
+"""torchvision Swin (the zoo's small instance) with ``quantize_activation_matmul: true``: the whole
+lifecycle (lifecycle.run: create, SGD steps, exact restore, save, ORT and OpenVINO), and each
+window attention's q @ k^T and softmax @ v run as integer MatMuls in ORT's optimised deploy
+graph, no float MatMul left."""
+
+import collections
+
+import onnx
+import onnxruntime as ort
+import pytest
+
+from tests.zoo.lifecycle import CONFIGS, run
+from tests.zoo.vision import check, one_thread
+
+pytestmark = pytest.mark.slow
+
+from tests.zoo.torchvision_families import build  # noqa: E402  (skips without torchvision)
+
+
+def test_swin_attention_matmuls_in_int8(tmp_path):
+    with one_thread():
+        r = run(lambda: build("Swin"), CONFIGS["int8"] + "quantize_activation_matmul: true\n", str(tmp_path))
+    check(r, "int8")
+    assert r["deploy_vs_fake"] >= 0.99, r
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(tmp_path / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
+    ops = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node)
+    blocks = 2  # depths [1, 1]
+    # torchvision calls F.linear with the qkv / proj weights, which openamct leaves float (Gemm):
+    # softmax @ v feeds a float op too, so both products output float (MatMulIntegerToFloat)
+    assert ops["MatMulIntegerToFloat"] + ops["QLinearMatMul"] >= 2 * blocks, ops
+    assert ops["MatMul"] + ops["FusedMatMul"] == 0, ops
