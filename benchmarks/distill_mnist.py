@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/distill_mnist")
     ap.add_argument("--epochs", type=int, default=2, help="distillation epochs over the 4,000 training images")
     ap.add_argument("--lr", type=float, default=1e-4, help="distill lr for INT8")
-    ap.add_argument("--lr-filter", type=float, default=3e-3, help="distill lr for 50 %% filter + INT8")
+    ap.add_argument("--lr-filter", type=float, default=1e-3, help="distill lr for 50 %% filter + INT8")
     ap.add_argument("--flows", default="int8,filter50_int8")
     ap.add_argument("--fp32-epochs", type=int, default=15, help="epochs of the FP32 model (the demo's recipe: 15)")
     ap.add_argument("--seed", type=int, default=1)
