@@ -10,6 +10,11 @@
    convs, then ``distill`` the same way.
 
 Targets: INT8 within 0.3 point of FP32; 50 % filter + INT8 within 1 point.
+
+``load_mnist_5k``'s training rows are sorted by digit, so the images are read through a
+shuffling DataLoader (``unlabelled_loader``): read in file order every batch holds one digit, and
+a filter-pruned student, whose BatchNorm statistics are re-estimated during ``distill``, ends
+with statistics of the last digits only (75 % test accuracy after 5 or 10 epochs).
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ quant_skip_layers: "layer1.0"
 """ for n in ("layer1.0", "layer2.0", "layer3.0", "layer4.0"))
 
 
+def unlabelled_loader(x: torch.Tensor, batch_size: int = 64, seed: int = 0) -> torch.utils.data.DataLoader:
+    """The images ``x`` (no labels) in batches of ``batch_size``, reshuffled on every pass (a
+    seeded generator: the same run gives the same batches). A batch is ``[images]``, whose first
+    element ``distill``'s default sample takes as the model input."""
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=batch_size, shuffle=True,
+                                       generator=torch.Generator().manual_seed(seed))
+
+
 def ort_accuracy(path: str, x: torch.Tensor, y: torch.Tensor) -> float:
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
@@ -52,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/distill_mnist")
     ap.add_argument("--epochs", type=int, default=2, help="distillation epochs over the 4,000 training images")
     ap.add_argument("--lr", type=float, default=1e-4, help="distill lr for INT8")
-    ap.add_argument("--lr-filter", type=float, default=3e-3, help="distill lr for 50 %% filter + INT8")
+    ap.add_argument("--lr-filter", type=float, default=1e-3, help="distill lr for 50 %% filter + INT8")
     ap.add_argument("--flows", default="int8,filter50_int8")
     ap.add_argument("--fp32-epochs", type=int, default=15, help="epochs of the FP32 model (the demo's recipe: 15)")
     ap.add_argument("--seed", type=int, default=1)
@@ -71,7 +84,6 @@ def main() -> None:
     fp32.eval()
     metrics = {"fp32": evaluate(fp32, x_test, y_test), "train_fp32_s": time.perf_counter() - t0}
     print(f"FP32 test accuracy {metrics['fp32']:.4f} ({metrics['train_fp32_s']:.0f} s)", flush=True)
-    images = [x_train[i:i + 64] for i in range(0, len(x_train), 64)]  # no labels
     x = x_train[:8]
     js = os.path.join(args.out, "mnist.json")
     cfg = os.path.join(args.out, "mnist_distill.cfg")
@@ -80,6 +92,7 @@ def main() -> None:
     amct.create_distill_config(js, fp32, x, cfg)
     for name in args.flows.split(","):
         t = time.perf_counter()
+        images = unlabelled_loader(x_train, seed=args.seed)  # each flow reads the same batches
         if name == "int8":
             student = amct.create_distill_model(js, fp32, x)
             record = js[:-5] + ".record"
@@ -90,7 +103,7 @@ def main() -> None:
             record = os.path.join(args.out, "filter50_int8.record")
             student = amct.create_compressed_retrain_model(fp32, x, fcfg, record)
         with torch.no_grad():
-            student.eval()(images[0])
+            student.eval()(next(iter(images))[0])
         before = evaluate(student, x_test, y_test)
         amct.distill(fp32, student, js, images, epochs=args.epochs, lr=args.lr if name == "int8" else args.lr_filter)
         after = evaluate(student, x_test, y_test)
