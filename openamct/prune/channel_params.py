@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Record types (ONNX-style names) of the owners; "Parameter" is a bare nn.Parameter used in an
@@ -64,6 +65,24 @@ def _generic(name: str, m: nn.Module, in_shape: tuple[int, ...], axis: int) -> O
     return Owner(CHANNEL_PARAMS)
 
 
+def _channels_first(m: nn.Module, in_shape: tuple[int, ...]) -> bool:
+    """Does LayerNorm subclass ``m`` normalise axis 1 of an ``in_shape`` input (timm's and
+    torchvision's ``LayerNorm2d``: permute to channels-last, ``F.layer_norm``, permute back)?
+    Its forward is its own code, so it is run once on a random input of that shape and compared
+    with a layer norm over axis 1."""
+    if type(m).forward is nn.LayerNorm.forward or len(in_shape) < 3 or tuple(m.normalized_shape) != in_shape[1:2]:
+        return False
+    w = next(iter(_state(m).values()), None)
+    if w is None or w.device.type == "meta":
+        return False
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(in_shape, generator=g, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        got = m(x)
+        want = F.layer_norm(x.movedim(1, -1), m.normalized_shape, m.weight, m.bias, m.eps).movedim(-1, 1)
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
 def owner_of(name: str, m: nn.Module, in_shape: tuple[int, ...], out_shapes: list[tuple[int, ...]],
              axis: int) -> Owner | str:
     """How module ``m`` (not a compressible layer, reading the tracked tensor as its first
@@ -78,7 +97,8 @@ def owner_of(name: str, m: nn.Module, in_shape: tuple[int, ...], out_shapes: lis
         return Owner(GROUP_NORM, 1 if m.num_groups == m.num_channels else m.num_groups)
     if isinstance(m, (nn.LayerNorm, *((_RMS_NORM,) if _RMS_NORM else ()))):
         kind = RMS_NORM if _RMS_NORM and isinstance(m, _RMS_NORM) else LAYER_NORM
-        want = 1 if getattr(m, "data_format", "channels_last") == "channels_first" else ndim - 1
+        want = 1 if getattr(m, "data_format", "channels_last") == "channels_first" or _channels_first(m, in_shape) \
+            else ndim - 1
         if len(m.normalized_shape) != 1 or axis != want:
             return (f"{type(m).__name__} {name!r} normalises over {tuple(m.normalized_shape)}, not only the "
                     f"channel axis {axis} of its input {tuple(in_shape)}")

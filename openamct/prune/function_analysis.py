@@ -27,6 +27,7 @@ from openamct.prune.index_mapping import (
     dims_arg,
     follow,
 )
+from openamct.prune.owner_analysis import NORM_FUNCTIONS
 
 __all__ = ["FunctionsMixin"]
 
@@ -49,6 +50,8 @@ class FunctionsMixin:
             self.concat(node)
         elif op in MATMULS:
             self.matmul(node, ins)
+        elif op in NORM_FUNCTIONS:
+            self.norm_function(node, ins)
         elif ins != [first] and not (op == "type_as" and ins[0] is first):
             self.block(ins, node.name, f"{op} uses the channels of a second tensor argument")
         elif op in UNARY_FUNCTIONS:
