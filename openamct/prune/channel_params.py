@@ -27,6 +27,9 @@ LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER = (
 # An int attribute the forward reshapes with (an attention module's ``all_head_size``), named
 # "<module path>.<attribute>": it becomes the kept count.
 ATTRIBUTE = "Attribute"
+# A module that owns only one-element tensors and works on each channel alone: it passes the
+# channels on and has nothing to slice (no record entry).
+SCALARS = ""
 SIZE_ATTRS = ("all_head_size", "inner_dim", "head_size_total")
 OWNER_TYPES = (LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER, ATTRIBUTE)
 _RMS_NORM = getattr(nn, "RMSNorm", ())
@@ -49,11 +52,33 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
             if t is not None and t.numel() > 1}
 
 
+def _scalar_channelwise(m: nn.Module, in_shape: tuple[int, ...], axis: int) -> bool:
+    """Does ``m``, which owns only one-element tensors (HGNetV2's ``LearnableAffineBlock``:
+    ``scale * x + bias``), compute each channel from that channel alone? Its forward is its own
+    code, so it is run on a random input of that shape and on every other channel of it, and
+    the two outputs must agree on those channels."""
+    tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    if not tensors or in_shape[axis] < 2 or any(t.device.type == "meta" for t in tensors):
+        return False
+    g = torch.Generator(device=tensors[0].device).manual_seed(0)
+    x = torch.randn(in_shape, generator=g, device=tensors[0].device, dtype=tensors[0].dtype)
+    keep = torch.arange(0, in_shape[axis], 2, device=x.device)
+    try:
+        with torch.no_grad():
+            whole, part = m(x), m(x.index_select(axis, keep))
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    return (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor) and whole.shape == x.shape
+            and torch.allclose(whole.index_select(axis, keep), part, atol=1e-6))
+
+
 def _generic(name: str, m: nn.Module, in_shape: tuple[int, ...], axis: int) -> Owner | str:
     """A module with no known type: per-channel if every tensor it owns lines up with the
     channel axis under broadcasting (a (1, 1, 1, C) GRN weight on an (N, H, W, C) input)."""
     state = _state(m)
     if not state:
+        if _scalar_channelwise(m, in_shape, axis):
+            return Owner(SCALARS)
         return f"module {name!r} ({type(m).__name__}) uses the channels in a way filter pruning cannot follow"
     for attr, t in state.items():
         d = vector_dim(t)

@@ -52,7 +52,8 @@ class OwnersMixin:
                                            "several layers or a flattened axis")
                 return
             self.folds[cmap.segments[0].gid].append(found.fold)
-        self.add_members(cmap, name, found.op_type, "passive")
+        if found.op_type:  # (SCALARS: nothing to slice)
+            self.add_members(cmap, name, found.op_type, "passive")
         self.passthrough(node, ins[0], cmap)
 
     def norm_function(self, node: Node, ins: list[TensorInfo]) -> None:

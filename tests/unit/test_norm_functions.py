@@ -1,8 +1,9 @@
 """Norm modules whose own forward calls the functional norm (timm's BatchNormAct2d and
 GroupNormAct: a BatchNorm2d / GroupNorm subclass running F.batch_norm / F.group_norm and then an
 activation child; timm's and torchvision's LayerNorm2d: a LayerNorm subclass that permutes
-around F.layer_norm) follow a filter-prune decision like the plain modules; what cannot follow
-says why."""
+around F.layer_norm) follow a filter-prune decision like the plain modules, and so does a module
+owning only scalars that works on each channel alone (HGNetV2's LearnableAffineBlock); what
+cannot follow says why."""
 
 import copy
 
@@ -56,6 +57,24 @@ class FlippedLayerNorm2d(LayerNorm2d):
 
     def forward(self, x):
         return super().forward(x).flip(1)
+
+
+class Affine(nn.Module):
+    """HGNetV2's LearnableAffineBlock: a learnt scalar scale and bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.bias = nn.Parameter(torch.tensor([1.5])), nn.Parameter(torch.tensor([0.2]))
+
+    def forward(self, x):
+        return self.scale * x + self.bias
+
+
+class ScaledSoftmax(Affine):
+    """Scalars too, but a softmax over the channels: each output reads every channel."""
+
+    def forward(self, x):
+        return torch.softmax(self.scale * x, dim=1)
 
 
 class Net(nn.Module):
@@ -161,3 +180,20 @@ def test_layer_norm_subclass_that_moves_the_channels_blocks():
     assert groups == []
     (b,) = [b for b in blocked if b.producers == ["conv1"]]
     assert b.at == "norm" and "normalises over (16,), not only the channel axis 1" in b.reason
+
+
+def test_scalar_module_working_per_channel_passes_the_channels_on():
+    torch.manual_seed(0)
+    model = Net(Affine()).eval()
+    groups, _ = prune(model)
+    (g,) = groups
+    assert [m.name for m in g.consumers] == ["conv2"] and g.passive == []  # nothing of Affine is sliced
+    apply_removal(model, groups)
+    assert model.conv1.out_channels == 8 and model(X).shape == (2, 8)
+
+
+def test_scalar_module_mixing_the_channels_blocks():
+    groups, blocked = prune(Net(ScaledSoftmax()).eval())
+    assert groups == []
+    (b,) = [b for b in blocked if b.producers == ["conv1"]]
+    assert b.at == "norm" and "uses the channels in a way filter pruning cannot follow" in b.reason
