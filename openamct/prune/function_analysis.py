@@ -52,6 +52,8 @@ class FunctionsMixin:
             self.matmul(node, ins)
         elif op in NORM_FUNCTIONS:
             self.norm_function(node, ins)
+        elif op in ("reshape_as", "view_as") and len(ins) == 2 and ins[0] is first:
+            self.shape_of(node, first, ins[1])
         elif ins != [first] and not (op == "type_as" and ins[0] is first):
             self.block(ins, node.name, f"{op} uses the channels of a second tensor argument")
         elif op in UNARY_FUNCTIONS:
@@ -84,6 +86,22 @@ class FunctionsMixin:
             self.maps[out.key] = cmap.expanded(factor).moved(axis)
         if factor > 1 and (why := self.size_attribute(node, axis, self.maps[node.outputs[0].key])):
             self.block([src], node.name, why)
+
+    def shape_of(self, node: Node, src: TensorInfo, like: TensorInfo) -> None:
+        """``src.reshape_as(like)`` with ``like`` tracked too (LeViT's norm: ``bn(x.flatten(0, 1))
+        .reshape_as(x)``): the output follows ``src``; the two must keep the same channels, so
+        their layouts must line up, and their groups are coupled."""
+        self.follow(node, src)
+        out = self.maps.get(node.outputs[0].key)
+        if out is None:
+            return
+        pairs = align(out, self.maps[like.key])
+        if out.axis != self.maps[like.key].axis or pairs is None or any((a is None) != (b is None) for a, b in pairs):
+            self.block([src, like], node.name, f"{node.op} takes its shape from a tensor whose channels do not line up")
+            return
+        for a, b in pairs:
+            if a is not None:
+                self.union(a, b)
 
     def couple(self, node: Node, inputs: list[TensorInfo], ndim: int) -> ChannelMap | None:
         """Element-wise use (or concat on another axis): every input that carries the channel

@@ -197,3 +197,36 @@ def test_scalar_module_mixing_the_channels_blocks():
     assert groups == []
     (b,) = [b for b in blocked if b.producers == ["conv1"]]
     assert b.at == "norm" and "uses the channels in a way filter pruning cannot follow" in b.reason
+
+
+class LinearNorm(nn.Module):
+    """LeViT's Linear + BatchNorm1d over the tokens: ``bn(x.flatten(0, 1)).reshape_as(x)``."""
+
+    def __init__(self, a, b):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(a, b), nn.BatchNorm1d(b)
+
+    def forward(self, x):
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class TokenNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = LinearNorm(8, 16), LinearNorm(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).mean(1)
+
+
+def test_reshape_as_a_tracked_tensor_follows_and_couples_the_channels():
+    torch.manual_seed(0)
+    model, tokens = TokenNormNet().eval(), torch.randn(2, 5, 8)
+    groups, blocked = prune(model, tokens)
+    (g,) = groups
+    assert [m.name for m in g.producers] == ["a.linear"] and [m.name for m in g.consumers] == ["b.linear"]
+    assert {m.name for m in g.passive if not m.is_function} == {"a.bn"}
+    assert [b.producers for b in blocked] == [["b.linear"]]  # the graph output only
+    apply_removal(model, groups)
+    assert model.a.bn.num_features == 8 and model(tokens).shape == (2, 4)
