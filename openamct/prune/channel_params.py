@@ -14,6 +14,7 @@ one dimension of size C and size 1 everywhere else, and that dimension is sliced
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -52,24 +53,37 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
             if t is not None and t.numel() > 1}
 
 
-def _scalar_channelwise(m: nn.Module, in_shape: tuple[int, ...], axis: int) -> bool:
-    """Does ``m``, which owns only one-element tensors (HGNetV2's ``LearnableAffineBlock``:
-    ``scale * x + bias``), compute each channel from that channel alone? Its forward is its own
-    code, so it is run on a random input of that shape and on every other channel of it, and
-    the two outputs must agree on those channels."""
+def _channelwise(m: nn.Module, in_shape: tuple[int, ...], axis: int) -> bool:
+    """Does ``m`` compute each channel of ``axis`` from that channel alone, with its per-channel
+    tensors sliced as ``sliced`` slices them? For modules whose forward is their own code and
+    whose tensors do not say it by their shape: HGNetV2's ``LearnableAffineBlock`` (only scalars:
+    ``scale * x + bias``), EfficientFormerV2's ``LayerScale2d`` (a ``(C,)`` gamma it views to
+    ``(1, C, 1, 1)``). It is run on a random input of that shape, and a copy that keeps every other
+    channel on those channels; the two outputs must agree there."""
     tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
     if not tensors or in_shape[axis] < 2 or any(t.device.type == "meta" for t in tensors):
         return False
     g = torch.Generator(device=tensors[0].device).manual_seed(0)
     x = torch.randn(in_shape, generator=g, device=tensors[0].device, dtype=tensors[0].dtype)
-    keep = torch.arange(0, in_shape[axis], 2, device=x.device)
+    keep = list(range(0, in_shape[axis], 2))
+    index = torch.tensor(keep, device=x.device)
+    small = copy.deepcopy(m)
+    new, ints = sliced(small, keep)
+    for attr, t in new.items():
+        if attr in small._parameters:
+            small._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        else:
+            small._buffers[attr] = t
+    for attr, value in ints.items():
+        setattr(small, attr, value)
     try:
         with torch.no_grad():
-            whole, part = m(x), m(x.index_select(axis, keep))
+            whole, part = m(x), small(x.index_select(axis, index))
     except (RuntimeError, ValueError, TypeError, IndexError):
         return False
     return (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor) and whole.shape == x.shape
-            and torch.allclose(whole.index_select(axis, keep), part, atol=1e-6))
+            and part.shape == whole.index_select(axis, index).shape
+            and torch.allclose(whole.index_select(axis, index), part, atol=1e-6))
 
 
 def _generic(name: str, m: nn.Module, in_shape: tuple[int, ...], axis: int) -> Owner | str:
@@ -77,9 +91,11 @@ def _generic(name: str, m: nn.Module, in_shape: tuple[int, ...], axis: int) -> O
     channel axis under broadcasting (a (1, 1, 1, C) GRN weight on an (N, H, W, C) input)."""
     state = _state(m)
     if not state:
-        if _scalar_channelwise(m, in_shape, axis):
+        if _channelwise(m, in_shape, axis):
             return Owner(SCALARS)
         return f"module {name!r} ({type(m).__name__}) uses the channels in a way filter pruning cannot follow"
+    if owner_size(m) == in_shape[axis] and _channelwise(m, in_shape, axis):
+        return Owner(CHANNEL_PARAMS)
     for attr, t in state.items():
         d = vector_dim(t)
         if d is None or t.dim() > len(in_shape) or d - t.dim() != axis - len(in_shape):

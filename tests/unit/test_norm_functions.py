@@ -2,8 +2,8 @@
 GroupNormAct: a BatchNorm2d / GroupNorm subclass running F.batch_norm / F.group_norm and then an
 activation child; timm's and torchvision's LayerNorm2d: a LayerNorm subclass that permutes
 around F.layer_norm) follow a filter-prune decision like the plain modules, and so does a module
-owning only scalars that works on each channel alone (HGNetV2's LearnableAffineBlock); what
-cannot follow says why."""
+owning only scalars or a (C,) vector it reshapes itself that works on each channel alone
+(HGNetV2's LearnableAffineBlock, EfficientFormerV2's LayerScale2d); what cannot follow says why."""
 
 import copy
 
@@ -75,6 +75,22 @@ class ScaledSoftmax(Affine):
 
     def forward(self, x):
         return torch.softmax(self.scale * x, dim=1)
+
+
+class LayerScale2d(nn.Module):
+    """timm's LayerScale2d: a (C,) gamma viewed to (1, C, 1, 1) in the forward."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        return x * self.gamma.view(1, -1, 1, 1)
+
+
+class ScaleThenFlip(LayerScale2d):
+    def forward(self, x):
+        return super().forward(x).flip(1)
 
 
 class Net(nn.Module):
@@ -197,6 +213,30 @@ def test_scalar_module_mixing_the_channels_blocks():
     assert groups == []
     (b,) = [b for b in blocked if b.producers == ["conv1"]]
     assert b.at == "norm" and "uses the channels in a way filter pruning cannot follow" in b.reason
+
+
+def test_vector_the_module_reshapes_itself_is_sliced_with_the_channels():
+    torch.manual_seed(0)
+    original = Net(LayerScale2d(16)).eval()
+    model = copy.deepcopy(original)
+    groups, _ = prune(model)
+    (g,) = groups
+    assert {m.name: m.op_type for m in g.passive} == {"norm": "ChannelParams"}
+    record = ScaleOffsetRecord()
+    groups_to_records(groups, record)
+    apply_removal(model, groups)
+    keep = [c for c in range(16) if c not in g.removed]
+    assert torch.equal(model.norm.gamma, original.norm.gamma[keep]) and model(X).shape == (2, 8)
+    fresh = copy.deepcopy(original)
+    apply_removal(fresh, groups_from_records(record, fresh))
+    assert torch.equal(fresh.norm.gamma, model.norm.gamma)
+
+
+def test_vector_module_moving_the_channels_blocks():
+    groups, blocked = prune(Net(ScaleThenFlip(16)).eval())
+    assert groups == []
+    (b,) = [b for b in blocked if b.producers == ["conv1"]]
+    assert b.at == "norm" and "'gamma' (16,) is not one value per channel" in b.reason
 
 
 class LinearNorm(nn.Module):
