@@ -123,11 +123,11 @@ class FunctionsMixin:
                 if broadcast_dim(t.shape, ndim, axis) is None:
                     continue
                 vector = self.per_channel_param(node, t, ndim, axis, ref.size)
-                if vector and len(t.consumers) == 1:
-                    params.append(t)
+                if vector is not None and len(vector.consumers) == 1:
+                    params.append(vector)
                     continue
-                why = (f"parameter {t.param_name!r} holds one value per channel but is read by {len(t.consumers)} "
-                       "ops (slicing it would change the others)" if vector else
+                why = (f"parameter {vector.param_name!r} holds one value per channel but is read by "
+                       f"{len(vector.consumers)} ops (slicing it would change the others)" if vector is not None else
                        f"{node.op} combines the channels with a tensor no prunable layer produces "
                        f"({describe(origin(t))})")
                 self.block(inputs, node.name, why)

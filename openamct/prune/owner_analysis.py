@@ -93,7 +93,16 @@ class OwnersMixin:
             return f"the parameters of {name!r} are read by more than this {node.op} (called more than once?)"
         return name, module
 
-    def per_channel_param(self, node: Node, t: TensorInfo, ndim: int, axis: int, channels: int) -> bool:
-        """A model parameter with one value per channel (LayerScale), read by an element-wise op."""
-        return (t.producer is None and t.param_name is not None and node.op in ("mul", "add", "sub", "div")
-                and parameter_owner(t.shape, ndim, axis, channels))
+    def per_channel_param(self, node: Node, t: TensorInfo, ndim: int, axis: int, channels: int) -> TensorInfo | None:
+        """The model parameter with one value per channel (LayerScale) that element-wise op
+        ``node`` reads as ``t``: ``t`` itself, or the ``(C,)`` parameter ``t`` is a view or
+        reshape of (timm's ConvNeXt: ``x.mul(gamma.reshape(1, -1, 1, 1))``); None if neither."""
+        if node.op not in ("mul", "add", "sub", "div") or not parameter_owner(t.shape, ndim, axis, channels):
+            return None
+        if t.producer is None:
+            return t if t.param_name is not None else None
+        src = t.producer.inputs[0] if t.producer.kind == "function" and len(t.producer.inputs) == 1 else None
+        if src is None or t.producer.op not in ("view", "reshape") or src.producer is not None \
+                or src.param_name is None or src.shape != (channels,) or len(t.consumers) != 1:
+            return None
+        return src

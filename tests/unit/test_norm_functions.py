@@ -270,3 +270,38 @@ def test_reshape_as_a_tracked_tensor_follows_and_couples_the_channels():
     assert [b.producers for b in blocked] == [["b.linear"]]  # the graph output only
     apply_removal(model, groups)
     assert model.a.bn.num_features == 8 and model(tokens).shape == (2, 4)
+
+
+class ReshapedGammaNet(nn.Module):
+    """timm's ConvNeXt block: ``x.mul(gamma.reshape(1, -1, 1, 1))`` in the forward of a module
+    that is not a leaf (the reshape and mul are graph ops)."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 8, 1)
+        self.gamma, self.twice = nn.Parameter(torch.rand(16) + 0.5), twice
+
+    def forward(self, x):
+        y = self.conv1(x).mul(self.gamma.reshape(1, -1, 1, 1))
+        if self.twice:  # the same parameter read again: slicing it would change the other read
+            y = y + self.gamma.reshape(1, -1, 1, 1)
+        return self.conv2(y).mean((2, 3))
+
+
+def test_parameter_reshaped_in_the_forward_is_sliced_with_the_channels():
+    torch.manual_seed(0)
+    original = ReshapedGammaNet().eval()
+    model = copy.deepcopy(original)
+    groups, _ = prune(model)
+    (g,) = groups
+    assert {m.name: m.op_type for m in g.passive if not m.is_function} == {"gamma": "Parameter"}
+    apply_removal(model, groups)
+    keep = [c for c in range(16) if c not in g.removed]
+    assert torch.equal(model.gamma, original.gamma[keep]) and model(X).shape == (2, 8)
+
+
+def test_parameter_reshaped_twice_blocks():
+    groups, blocked = prune(ReshapedGammaNet(twice=True).eval())
+    assert groups == []
+    (b,) = [b for b in blocked if b.producers == ["conv1"]]
+    assert b.at == "mul_0" and "parameter 'gamma' holds one value per channel but is read by 2 ops" in b.reason
