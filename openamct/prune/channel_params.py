@@ -31,7 +31,7 @@ ATTRIBUTE = "Attribute"
 # A module that owns only one-element tensors and works on each channel alone: it passes the
 # channels on and has nothing to slice (no record entry).
 SCALARS = ""
-SIZE_ATTRS = ("all_head_size", "inner_dim", "head_size_total")
+SIZE_ATTRS = ("all_head_size", "inner_dim", "head_size_total", "attn_dim")
 OWNER_TYPES = (LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER, ATTRIBUTE)
 _RMS_NORM = getattr(nn, "RMSNorm", ())
 

@@ -50,6 +50,8 @@ class FunctionsMixin:
             self.concat(node)
         elif op in MATMULS:
             self.matmul(node, ins)
+        elif op == "scaled_dot_product_attention":
+            self.attention(node, ins)
         elif op in NORM_FUNCTIONS:
             self.norm_function(node, ins)
         elif op in ("reshape_as", "view_as") and len(ins) == 2 and ins[0] is first:
