@@ -14,9 +14,11 @@ one dimension of size C and size 1 everywhere else, and that dimension is sliced
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Record types (ONNX-style names) of the owners; "Parameter" is a bare nn.Parameter used in an
@@ -26,7 +28,10 @@ LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER = (
 # An int attribute the forward reshapes with (an attention module's ``all_head_size``), named
 # "<module path>.<attribute>": it becomes the kept count.
 ATTRIBUTE = "Attribute"
-SIZE_ATTRS = ("all_head_size", "inner_dim", "head_size_total")
+# A module that owns only one-element tensors and works on each channel alone: it passes the
+# channels on and has nothing to slice (no record entry).
+SCALARS = ""
+SIZE_ATTRS = ("all_head_size", "inner_dim", "head_size_total", "attn_dim")
 OWNER_TYPES = (LAYER_NORM, RMS_NORM, GROUP_NORM, CHANNEL_PARAMS, PARAMETER, ATTRIBUTE)
 _RMS_NORM = getattr(nn, "RMSNorm", ())
 
@@ -48,12 +53,49 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
             if t is not None and t.numel() > 1}
 
 
+def _channelwise(m: nn.Module, in_shape: tuple[int, ...], axis: int) -> bool:
+    """Does ``m`` compute each channel of ``axis`` from that channel alone, with its per-channel
+    tensors sliced as ``sliced`` slices them? For modules whose forward is their own code and
+    whose tensors do not say it by their shape: HGNetV2's ``LearnableAffineBlock`` (only scalars:
+    ``scale * x + bias``), EfficientFormerV2's ``LayerScale2d`` (a ``(C,)`` gamma it views to
+    ``(1, C, 1, 1)``). It is run on a random input of that shape, and a copy that keeps every other
+    channel on those channels; the two outputs must agree there."""
+    tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    if not tensors or in_shape[axis] < 2 or any(t.device.type == "meta" for t in tensors):
+        return False
+    g = torch.Generator(device=tensors[0].device).manual_seed(0)
+    x = torch.randn(in_shape, generator=g, device=tensors[0].device, dtype=tensors[0].dtype)
+    keep = list(range(0, in_shape[axis], 2))
+    index = torch.tensor(keep, device=x.device)
+    small = copy.deepcopy(m)
+    new, ints = sliced(small, keep)
+    for attr, t in new.items():
+        if attr in small._parameters:
+            small._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        else:
+            small._buffers[attr] = t
+    for attr, value in ints.items():
+        setattr(small, attr, value)
+    try:
+        with torch.no_grad():
+            whole, part = m(x), small(x.index_select(axis, index))
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    return (isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor) and whole.shape == x.shape
+            and part.shape == whole.index_select(axis, index).shape
+            and torch.allclose(whole.index_select(axis, index), part, atol=1e-6))
+
+
 def _generic(name: str, m: nn.Module, in_shape: tuple[int, ...], axis: int) -> Owner | str:
     """A module with no known type: per-channel if every tensor it owns lines up with the
     channel axis under broadcasting (a (1, 1, 1, C) GRN weight on an (N, H, W, C) input)."""
     state = _state(m)
     if not state:
+        if _channelwise(m, in_shape, axis):
+            return Owner(SCALARS)
         return f"module {name!r} ({type(m).__name__}) uses the channels in a way filter pruning cannot follow"
+    if owner_size(m) == in_shape[axis] and _channelwise(m, in_shape, axis):
+        return Owner(CHANNEL_PARAMS)
     for attr, t in state.items():
         d = vector_dim(t)
         if d is None or t.dim() > len(in_shape) or d - t.dim() != axis - len(in_shape):
@@ -62,6 +104,24 @@ def _generic(name: str, m: nn.Module, in_shape: tuple[int, ...], axis: int) -> O
         if t.shape[d] != in_shape[axis]:
             return f"module {name!r}: its {attr!r} has {t.shape[d]} values, the channel axis {in_shape[axis]}"
     return Owner(CHANNEL_PARAMS)
+
+
+def _channels_first(m: nn.Module, in_shape: tuple[int, ...]) -> bool:
+    """Does LayerNorm subclass ``m`` normalise axis 1 of an ``in_shape`` input (timm's and
+    torchvision's ``LayerNorm2d``: permute to channels-last, ``F.layer_norm``, permute back)?
+    Its forward is its own code, so it is run once on a random input of that shape and compared
+    with a layer norm over axis 1."""
+    if type(m).forward is nn.LayerNorm.forward or len(in_shape) < 3 or tuple(m.normalized_shape) != in_shape[1:2]:
+        return False
+    w = next(iter(_state(m).values()), None)
+    if w is None or w.device.type == "meta":
+        return False
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(in_shape, generator=g, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        got = m(x)
+        want = F.layer_norm(x.movedim(1, -1), m.normalized_shape, m.weight, m.bias, m.eps).movedim(-1, 1)
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
 
 
 def owner_of(name: str, m: nn.Module, in_shape: tuple[int, ...], out_shapes: list[tuple[int, ...]],
@@ -78,7 +138,8 @@ def owner_of(name: str, m: nn.Module, in_shape: tuple[int, ...], out_shapes: lis
         return Owner(GROUP_NORM, 1 if m.num_groups == m.num_channels else m.num_groups)
     if isinstance(m, (nn.LayerNorm, *((_RMS_NORM,) if _RMS_NORM else ()))):
         kind = RMS_NORM if _RMS_NORM and isinstance(m, _RMS_NORM) else LAYER_NORM
-        want = 1 if getattr(m, "data_format", "channels_last") == "channels_first" else ndim - 1
+        want = 1 if getattr(m, "data_format", "channels_last") == "channels_first" or _channels_first(m, in_shape) \
+            else ndim - 1
         if len(m.normalized_shape) != 1 or axis != want:
             return (f"{type(m).__name__} {name!r} normalises over {tuple(m.normalized_shape)}, not only the "
                     f"channel axis {axis} of its input {tuple(in_shape)}")

@@ -27,6 +27,7 @@ from openamct.prune.index_mapping import (
     dims_arg,
     follow,
 )
+from openamct.prune.owner_analysis import NORM_FUNCTIONS
 
 __all__ = ["FunctionsMixin"]
 
@@ -49,6 +50,12 @@ class FunctionsMixin:
             self.concat(node)
         elif op in MATMULS:
             self.matmul(node, ins)
+        elif op == "scaled_dot_product_attention":
+            self.attention(node, ins)
+        elif op in NORM_FUNCTIONS:
+            self.norm_function(node, ins)
+        elif op in ("reshape_as", "view_as") and len(ins) == 2 and ins[0] is first:
+            self.shape_of(node, first, ins[1])
         elif ins != [first] and not (op == "type_as" and ins[0] is first):
             self.block(ins, node.name, f"{op} uses the channels of a second tensor argument")
         elif op in UNARY_FUNCTIONS:
@@ -82,6 +89,22 @@ class FunctionsMixin:
         if factor > 1 and (why := self.size_attribute(node, axis, self.maps[node.outputs[0].key])):
             self.block([src], node.name, why)
 
+    def shape_of(self, node: Node, src: TensorInfo, like: TensorInfo) -> None:
+        """``src.reshape_as(like)`` with ``like`` tracked too (LeViT's norm: ``bn(x.flatten(0, 1))
+        .reshape_as(x)``): the output follows ``src``; the two must keep the same channels, so
+        their layouts must line up, and their groups are coupled."""
+        self.follow(node, src)
+        out = self.maps.get(node.outputs[0].key)
+        if out is None:
+            return
+        pairs = align(out, self.maps[like.key])
+        if out.axis != self.maps[like.key].axis or pairs is None or any((a is None) != (b is None) for a, b in pairs):
+            self.block([src, like], node.name, f"{node.op} takes its shape from a tensor whose channels do not line up")
+            return
+        for a, b in pairs:
+            if a is not None:
+                self.union(a, b)
+
     def couple(self, node: Node, inputs: list[TensorInfo], ndim: int) -> ChannelMap | None:
         """Element-wise use (or concat on another axis): every input that carries the channel
         axis must carry the same layout, and then their groups are coupled. Returns the map of
@@ -102,11 +125,11 @@ class FunctionsMixin:
                 if broadcast_dim(t.shape, ndim, axis) is None:
                     continue
                 vector = self.per_channel_param(node, t, ndim, axis, ref.size)
-                if vector and len(t.consumers) == 1:
-                    params.append(t)
+                if vector is not None and len(vector.consumers) == 1:
+                    params.append(vector)
                     continue
-                why = (f"parameter {t.param_name!r} holds one value per channel but is read by {len(t.consumers)} "
-                       "ops (slicing it would change the others)" if vector else
+                why = (f"parameter {vector.param_name!r} holds one value per channel but is read by "
+                       f"{len(vector.consumers)} ops (slicing it would change the others)" if vector is not None else
                        f"{node.op} combines the channels with a tensor no prunable layer produces "
                        f"({describe(origin(t))})")
                 self.block(inputs, node.name, why)

@@ -39,11 +39,8 @@ class FusedSplitMixin:
         sizes = {o.shape[cmap.axis] if len(o.shape) == len(src.shape) else -1 for o in outs}
         if len(outs) < 2 or len(sizes) != 1 or -1 in sizes:
             return f"{node.op} in {where} cuts the channel axis into unequal pieces"
-        (seg,) = cmap.segments if len(cmap.segments) == 1 else (None,)
-        g = seg.gid if seg is not None else None
-        if (g is None or seg.repeat != 1 or src.producer is None or src.producer.name != self.sources[g].name
-                or len(src.consumers) != 1 or self.unit[g] != 1 or self.members[g] or self.folds[g]
-                or any(self.find(x) == self.find(g) for x in range(len(self.sources)) if x != g)):
+        g = self.whole_output(src)
+        if g is None:
             return (f"{node.op} in {where} cuts the channel axis of a tensor that is not one layer's output "
                     "read only by the split")
         size = sizes.pop()
@@ -66,4 +63,41 @@ class FusedSplitMixin:
             self.union(g, len(self.sources) - 1)
         if attr is not None:
             self.add_members(ChannelMap.source(g, cmap.axis, size), f"{node.scope}.{attr}", ATTRIBUTE, "passive")
+        return ""
+
+    def whole_output(self, src: TensorInfo) -> int | None:
+        """The gid of the layer whose whole, untouched output ``src`` is (read by one op only,
+        coupled with nothing yet), or None."""
+        cmap = self.maps[src.key]
+        (seg,) = cmap.segments if len(cmap.segments) == 1 else (None,)
+        g = seg.gid if seg is not None else None
+        if (g is None or seg.repeat != 1 or src.producer is None or src.producer.name != self.sources[g].name
+                or len(src.consumers) != 1 or self.unit[g] != 1 or self.members[g] or self.folds[g]
+                or any(self.find(x) == self.find(g) for x in range(len(self.sources)) if x != g)):
+            return None
+        return g
+
+    def split_fused_heads(self, node: Node, src: TensorInfo, attr: str | None) -> str:
+        """``qkv(x).reshape(B, N, pieces, heads, head_dim)`` of one layer's whole output: the
+        pieces become coupled sources with whole heads as units, the output is tracked on the
+        head axis, and the module's head-count attribute ``attr`` follows; '' or why not."""
+        a, outs = self.maps[src.key].axis, node.outputs[0].shape
+        pieces, heads, d = outs[a], outs[a + 1], outs[a + 2]
+        where = repr(node.scope) if node.scope else "the top-level module"
+        g = self.whole_output(src)
+        if g is None:
+            return (f"{node.op} in {where} splits into {pieces} pieces of heads a tensor that is not one "
+                    "layer's output read only by the reshape")
+        first = self.sources[g]
+        first.channels = heads * d
+        for i in range(1, pieces):
+            self.new_source(node.outputs[0], a, replace(first, begin=first.begin + i * heads * d))
+            self.union(g, len(self.sources) - 1)
+        why = self.coarsen(g, d)
+        if why:
+            return f"{node.op} in {where} splits the channels into heads of {d}: {why}"
+        head_map = ChannelMap.source(g, a + 1, heads)
+        self.maps[node.outputs[0].key] = head_map
+        if attr is not None:
+            self.add_members(head_map, f"{node.scope}.{attr}", ATTRIBUTE, "passive")
         return ""

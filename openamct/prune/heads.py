@@ -57,6 +57,9 @@ class HeadsMixin:
         with whole units of d channels; '' or why not."""
         cmap, ins, outs = self.maps[src.key], src.shape, node.outputs[0].shape
         a = cmap.axis
+        if (len(outs) == len(ins) + 2 and outs[:a] == ins[:a] and outs[a + 3:] == ins[a + 1:]
+                and outs[a] * outs[a + 1] * outs[a + 2] == ins[a] and node.op in ("view", "reshape")):
+            return self.fused_heads(node, src)
         if not (len(outs) == len(ins) + 1 and outs[:a] == ins[:a] and outs[a + 2:] == ins[a + 1:]
                 and outs[a] * outs[a + 1] == ins[a]):
             return f"{node.op} splits the channel dim or merges it with a dim before it"
@@ -91,6 +94,35 @@ class HeadsMixin:
         if attr is not None:
             self.add_members(ChannelMap(a, segs), f"{node.scope}.{attr}", ATTRIBUTE, "passive")
         return ""
+
+    def fused_heads(self, node: Node, src: TensorInfo) -> str:
+        """``reshape(B, N, 3, self.num_heads, head_dim)`` (timm's ``Attention``): the head count
+        must be -1 or a head-count attribute of the module, which then follows; '' or why not."""
+        a, outs = self.maps[src.key].axis, node.outputs[0].shape
+        vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        owner = self.modules.get(node.scope)
+        attr = next((n for n in HEAD_ATTRS if owner is not None and type(getattr(owner, n, None)) is int
+                     and getattr(owner, n) == outs[a + 1]), None)
+        if len(vals) != len(outs) or vals[a] != outs[a] or vals[a + 2] != outs[a + 2] \
+                or not (vals[a + 1] == -1 or vals[a + 1] == outs[a + 1] and attr is not None):
+            where = repr(node.scope) if node.scope else "the top-level module"
+            return (f"{node.op} in {where} splits the channels into {outs[a]} pieces of {outs[a + 1]} heads of "
+                    f"{outs[a + 2]} with the head count written out, and {where} has no attribute "
+                    f"{'/'.join(HEAD_ATTRS)} = {outs[a + 1]} to update: pruned heads cannot be followed")
+        return self.split_fused_heads(node, src, attr if vals[a + 1] != -1 else None)
+
+    def attention(self, node: Node, ins: list[TensorInfo]) -> None:
+        """``scaled_dot_product_attention(q, k, v)``: heads tracked on a batch dim of Q, K and V
+        couple them as Q·Kᵀ and softmax·V do; the output carries V's heads."""
+        qkv = node.inputs[:3]
+        if any(self.maps[t.key].axis >= len(t.shape) - 2 for t in ins) or any(t.key not in self.maps for t in qkv):
+            self.block(ins, node.name, f"{node.op} uses the channels as a matrix dimension, or reads heads "
+                                       "only some of Q, K and V carry")
+            return
+        self.reconcile([t.key for t in qkv])
+        out_map = self.couple(node, list(qkv), len(node.outputs[0].shape))
+        if out_map is not None:
+            self.maps[node.outputs[0].key] = out_map
 
     def size_attribute(self, node: Node, axis: int, cmap: ChannelMap) -> str:
         """A merge reshape that writes the merged size out (MobileViT's ``view(..., self.all_head_size)``)

@@ -14,14 +14,10 @@ pytestmark = pytest.mark.slow
 from tests.zoo.timm_families import TESTED, build  # noqa: E402  (skips without timm)
 
 ALL_CONFIGS = ("ResNet-T", "TF-EfficientNet-Lite", "RepVGG", "ConvNeXt")
-BN_ACT = ("removes no channel: every group stops at a functional batch_norm (timm's BatchNormAct2d calls "
-          "F.batch_norm), which the channel-dependency analysis does not pass through (openamct/prune)")
 OPENVINO_CONST_CONV = ("OpenVINO fails to compile the deploy file ('contains empty child edge' at the quantized "
                        "Conv of PositionalEncodingFourier, whose input is input-independent)")
 KNOWN = {
     ("EdgeNeXt", "int8"): OPENVINO_CONST_CONV,
-    ("TF-EfficientNet-Lite", "filter0.3+int8"): BN_ACT,
-    ("RepVGG", "filter0.3+int8"): BN_ACT,
 }
 # family -> (median, worst) fake-vs-torch cosine bounds, where random-weight deep nets amplify
 # one-ulp quantizer flips (tests/zoo/test_zoo.py says why)
