@@ -1,13 +1,19 @@
 """Deploy speed on real architectures: FP32 vs ``onnxruntime.quantization.
 quantize_static`` vs openamct's deploy model, for Hugging Face CNNs built from their default
-configs (random weights re-initialised fan-in, as the zoo tests do: tests/zoo/families.py).
+configs, or with ``--torchvision`` for ten torchvision classifiers at their stock sizes (224x224,
+Inception-v3 299x299), batch 1 (random weights re-initialised fan-in, as the zoo tests do:
+tests/zoo/families.py).
 
 quantize_static: QDQ, uint8 activations, per-channel int8 weights, MinMax-calibrated on the same
 8 batches after ``quant_pre_process`` (benchmarks/deploy_speed.quantize_static). openamct: an INT8
 QAT config through the public API, clips initialised on those 8 batches in training mode, then
 ``save_compressed_retrain_model``. Timing: ``openamct.export.ort_session.latency_ms`` (2 intra-op
-threads, interleaved rounds, median). The script also prints the deploy file's cosine to the
-fake-quant file on one input, and the float ops left in ORT's optimised deploy graph.
+threads, ``session.intra_op.allow_spinning`` 0 so that an idle session's spinning workers do
+not steal the cores of the one being timed (with spinning, two identical ResNet-50 graphs read
+1.72x apart), interleaved rounds whose order alternates, median). The script also prints the deploy file's cosine to the
+fake-quant file on one input, the float ops left in ORT's optimised deploy graph, and whether
+ORT's optimised graphs of quantize_static and openamct hold the same op counts (then the two run
+the same kernels, and any ratio between them is noise: a tie).
 
 Measured here (AMD EPYC, 2 cores, ORT 1.32, OpenVINO 2026.4; a quiet machine, yet the same two
 files swing 0.97-1.10x between measurements, hence 5 repeats), 224x224 batch 1,
@@ -28,6 +34,7 @@ sizes at 224x224 take minutes per model. Say which one a figure comes from.
 
 Usage: PYTHONPATH=. python benchmarks/zoo_speed.py [--only efficientnet,regnet] [--small]
        [--runs 20] [--repeat 5] [--no-openvino] [--keep DIR]       (about 10 min here)
+       PYTHONPATH=. python benchmarks/zoo_speed.py --torchvision [--only resnet50,vit_b_16] ...
 """
 
 from __future__ import annotations
@@ -73,6 +80,22 @@ MODELS = {
 }
 
 
+# torchvision builder -> (keyword arguments, image side); torchvision/timm load from the zoo's
+# own folder (tests/zoo/torchvision_ops.py)
+TORCHVISION = {
+    "resnet50": ({}, 224),
+    "mobilenet_v3_large": ({}, 224),
+    "googlenet": (dict(aux_logits=False, init_weights=False), 224),
+    "inception_v3": (dict(aux_logits=False, init_weights=False), 299),
+    "densenet121": ({}, 224),
+    "shufflenet_v2_x1_0": ({}, 224),
+    "efficientnet_b0": ({}, 224),
+    "convnext_tiny": ({}, 224),
+    "swin_t": ({}, 224),
+    "vit_b_16": ({}, 224),
+}
+
+
 class Logits(nn.Module):
     """One tensor in, the logits out: the same signature for all three files."""
 
@@ -84,7 +107,21 @@ class Logits(nn.Module):
         return self.model(pixel_values=x).logits
 
 
+def build_torchvision(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    from tests.zoo.torchvision_ops import vision_modules
+
+    tv, _ = vision_modules()
+    kwargs, side = TORCHVISION[name]
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(weights=None, **kwargs)
+    shape = (1, 3, side, side)
+    reinitialise(model, {"x": torch.randn(*shape)})
+    return model.eval(), shape
+
+
 def build(name: str, small: bool) -> tuple[nn.Module, tuple[int, ...]]:
+    if name in TORCHVISION:
+        return build_torchvision(name)
     import transformers as T
 
     cls, cfg_cls, cfg, reduced = MODELS[name]
@@ -126,6 +163,19 @@ def float_ops(path: str) -> str:
     ops = collections.Counter(n.op_type for n in onnx.load(out).graph.node)
     skip = ("QLinear", "QGemm", "DynamicQuantize")
     return ", ".join(f"{k} {v}" for k, v in ops.most_common() if not k.startswith(skip))
+
+
+def op_counts(path: str) -> collections.Counter:
+    """Op counts of ORT's optimised graph of ``path`` (written by ``float_ops`` before)."""
+    return collections.Counter(n.op_type for n in onnx.load(path + ".opt.onnx").graph.node)
+
+
+def same_graph(ours: str, theirs: str) -> str:
+    a, b = op_counts(ours), op_counts(theirs)
+    if a == b:
+        return "identical op counts in ORT's optimised graphs (the same kernels: a tie)"
+    diff = ", ".join(f"{k} {a[k]}/{b[k]}" for k in sorted(set(a) | set(b)) if a[k] != b[k])
+    return f"ORT's optimised graphs differ (op: openamct/quantize_static): {diff}"
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -180,20 +230,27 @@ def row(name: str, small: bool, runs: int, folder: str, openvino: bool, repeat: 
               flush=True)
     print(f"{'':12s} float ops in ORT's graph: openamct: {float_ops(paths['openamct'])}", flush=True)
     print(f"{'':12s}                        quantize_static: {float_ops(paths['quantize_static'])}", flush=True)
+    print(f"{'':12s} {same_graph(paths['openamct'], paths['quantize_static'])}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", default=",".join(MODELS))
+    p.add_argument("--only", default=None, help="comma-separated model names (default: all of the chosen set)")
     p.add_argument("--small", action="store_true", help="reduced width/depth at 112x112 (shared machines)")
+    p.add_argument("--torchvision", action="store_true",
+                   help=f"torchvision's {', '.join(TORCHVISION)} at their stock sizes instead of the HF models")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--repeat", type=int, default=5, help="interleaved measurements, each with fresh sessions; medians")
     p.add_argument("--keep", default=None, help="folder to keep the ONNX files in")
     p.add_argument("--no-openvino", action="store_true", help="skip the OpenVINO runs of the fp32 and deploy files")
     args = p.parse_args()
-    unknown = set(args.only.split(",")) - set(MODELS)
+    known = TORCHVISION if args.torchvision else MODELS
+    if args.torchvision and args.small:
+        p.error("--small: the HF models only (--torchvision times the stock sizes)")
+    args.only = args.only or ",".join(known)
+    unknown = set(args.only.split(",")) - set(known)
     if unknown:
-        p.error(f"--only: unknown model(s) {sorted(unknown)}; choose from {sorted(MODELS)}")
+        p.error(f"--only: unknown model(s) {sorted(unknown)}; choose from {sorted(known)}")
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(2)

@@ -21,9 +21,10 @@ of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d`
    the fake-quant model 0.999864 vs 0.999832, since without it more outputs fall back to ranges).
    A constant-zero Pad left between Q and DQ -> Conv is then moved into the conv's padding
    (``_fuse_pads``), after folding the exporter's constant shape ops that compute its pads.
-3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)
-   and an Add feeding an average pool the range its inputs bound (never clips). Gemm outputs stay
-   float: QGemm outputs float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
+3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu;
+   not where an unfolded BatchNormalization reads it, ``_feeds_float_bn``) and an Add feeding an
+   average pool the range its inputs bound (never clips). Gemm outputs stay float: QGemm outputs
+   float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
 
 Alternative measured in benchmarks/deploy_speed.py --builders: quantize_static on the folded
 float model with our input scales as TensorQuantOverrides. Same ORT graph on ResNet-18, slower on
@@ -328,6 +329,15 @@ def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     return lo, hi
 
 
+def _feeds_float_bn(g: OnnxGraph, y: str) -> bool:
+    """Whether a BatchNormalization left in the graph reads ``y`` (timm's BatchNormAct2d calls
+    F.batch_norm, which is not folded into the conv). Its output observer's Q/DQ would put an
+    8-bit step, which fake-quant does not have, on a tensor that only float ops read: on timm's
+    FastViT (a MobileOne conv branch before each such BN) deploy vs fake-quant cosine was 0.987,
+    without those steps 0.99997. Such a conv runs as a float kernel on its quantized input."""
+    return any(u.op_type == "BatchNormalization" for u in g.users(y))
+
+
 def _int8_pool(g: OnnxGraph, n) -> bool:
     """ORT's QLinearAveragePool averages a ceil_mode window that hangs over the input wrongly
     (HF EfficientNet's pooler, kernel 1280 on a 7x7 map: logits 12x too small): such pools stay
@@ -355,7 +365,7 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
                 continue
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
-            obs = observers.get(w) if n.op_type == "Conv" else None
+            obs = observers.get(w) if n.op_type == "Conv" and not _feeds_float_bn(g, n.output[0]) else None
             placed += _place(g, n.output[0], obs)
         elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                                            and g.const(p.input[0]) is None for i in n.input[:2]):

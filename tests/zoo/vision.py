@@ -34,17 +34,30 @@ def cases(configs: dict[str, list[str]], known: dict[tuple[str, str], str]) -> l
             for f, names in configs.items() for c in names]
 
 
+# The compressed model's cosine to itself under 1e-6 input noise (lifecycle.self_vs_noise) from
+# which a run counts as well-conditioned: there a one-ulp difference in float accumulation order
+# moves the output no further than that noise does, so another runtime's file must track it.
+WELL_CONDITIONED = 0.9999
+
+
 def check(r: dict, config: str, fidelity: tuple[float, float] = (0.999, 0.99)) -> None:
-    """One lifecycle.run result: something quantized (and 2:4-sparse), the fake-quant file
-    reproduces the compressed model, filter pruning removes something, (median and worst of 5 batches), OpenVINO runs the deploy
-    file and agrees with ORT's run of it where that reproduces fake-quant."""
+    """One lifecycle.run result: something quantized (and 2:4-sparse), filter pruning removes
+    something, OpenVINO runs the deploy file and agrees with ORT's run of it where that reproduces
+    fake-quant. Fidelity over the 5 batches: on a well-conditioned run (``WELL_CONDITIONED``) the
+    fake-quant file reproduces torch (median cosine >= 0.999, worst >= 0.99: a flip on one batch
+    still moves that batch, GoogLeNet 2:4 read 0.9987 on one) and the deploy file fake-quant
+    (median >= 0.99); on a chaotic one, where a quantizer flip of one element carries to the
+    output, the fake-vs-torch bounds are ``fidelity`` (per family where needed; test_zoo.py says
+    why) and the deploy figure is reported, not bounded."""
     assert r["quantized"] > 0, r
     if config.startswith("2:4"):
         assert r["sparse"] > 0, r
     if config.startswith("filter"):
         assert r["pruned"] > 0 and r["removed_share"] > 0, r
-    median, worst = fidelity
+    median, worst = (0.999, 0.99) if r["self_vs_noise"] >= WELL_CONDITIONED else fidelity
     assert r["fake_vs_torch"] >= median and r["fake_vs_torch_min"] >= worst, r
+    if r["self_vs_noise"] >= WELL_CONDITIONED:
+        assert r["deploy_vs_fake"] >= 0.99, r
     assert np.isfinite(r["openvino_vs_fake"]), r
     if r["deploy_vs_fake"] >= 0.999:
         assert r["openvino_vs_fake"] >= 0.995, r
