@@ -180,6 +180,24 @@ def _passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
     return value is None or (value.size == 1 and float(value.reshape(())) == 0.0)
 
 
+AVG_POOLS = ("AveragePool", "GlobalAveragePool")
+
+
+def _on_grid(g: OnnxGraph, t: str, p: tuple) -> bool:
+    c = g.producer(t)
+    return c is not None and c.op_type == "Concat" and all(
+        (d := g.producer(i)) is not None and d.op_type == "DequantizeLinear" and _qparams(g, d) == p for i in c.input)
+
+
+def _pools_onto(g: OnnxGraph, op: onnx.NodeProto, p: tuple) -> bool:
+    """A MaxPool whose output only input quantizers of qparams ``p`` read (GoogLeNet's pool
+    branch, which shares the other branches' quantizer): on DQ(Q(t)) ORT pools uint8."""
+    if op.op_type != "MaxPool" or len(op.output) != 1 or g.is_output(op.output[0]):
+        return False
+    users = g.users(op.output[0])
+    return bool(users) and all(u.op_type == "QuantizeLinear" and _qparams(g, u) == p for u in users)
+
+
 def _walk(g: OnnxGraph, y: str):
     """Follow pass-through ops from ``y`` (each tensor read by one of them, plus Adds) to a
     tensor read only by input quantizers with one qparams (and Adds). Returns (chain, final Q,
@@ -191,7 +209,11 @@ def _walk(g: OnnxGraph, y: str):
         params = {_qparams(g, q) for q in qs}
         if qs and len(params) == 1:
             adds = [u for u in users if u not in qs]
-            if all(u.op_type == "Add" for u in adds):
+            p = next(iter(params))
+            # an average pool reads DQ(Q(t)) only where t is on that grid already (a Concat of
+            # DQs of these qparams): fake-quant averages t itself
+            if all(u.op_type == "Add" or _pools_onto(g, u, p) or u.op_type in AVG_POOLS and _on_grid(g, t, p)
+                   for u in adds):
                 return chain, qs[0], adds
             return None
         # A tensor also read by residual Adds (MobileNetV2's block output: the next block's
@@ -357,10 +379,12 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(w) if n.op_type == "Conv" else None
             placed += _place(g, n.output[0], obs)
-        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
-                (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
+        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat") and _int8_pool(g, n) and all(
+                (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
+                for i in (n.input if n.op_type == "Concat" else n.input[:2])):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
-            # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation)
+            # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation;
+            # Concat: QLinearConcat, techniques/concat_sites.py)
             placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
     pads = _fuse_pads(g)
     g.finish()

@@ -47,6 +47,7 @@ from openamct.quant.residual import OutputQuantHook
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import AttrType, PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, ExportParts, Technique, selective_algorithm
+from openamct.techniques.concat_sites import ConcatSite, concat_sites, hook_sites, hooked_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class ActState:
     residual: dict[str, list[str]] = field(default_factory=dict)
     hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: module -> quantizer
     modules: dict[str, QuantizedActivation] = field(default_factory=dict)  # filled by apply
+    concats: dict[str, ConcatSite] = field(default_factory=dict)  # concat_sites.py
+    concat_hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: site -> quantizer
     stored: set[str] = field(default_factory=set)  # restore: the record's module names
 
 
@@ -216,6 +219,10 @@ def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: s
     return sites
 
 
+def _convs(plans) -> set[str]:
+    return {lp.name for lp in plans if lp.type.startswith("Conv") and not lp.type.startswith("ConvTranspose")}
+
+
 def _layer_output(graph: Graph, name: str) -> TensorInfo | None:
     """The tensor a conv's output becomes after its folded BatchNorm (if any)."""
     node = graph.call_of(name)
@@ -270,12 +277,15 @@ class ActivationQuant(Technique):
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
+        residual = _residual_sites(ctx.graph, planned, set(ops), _convs(self.planned(ctx.plan)))
+        concats = concat_sites(ctx.graph, planned, planned | set(ops) | set(residual), ctx.model)
+        hooked = hooked_tensors(ctx.graph, concats)  # a concat's input hook quantizes these
         outputs = []
         for lp in self.planned(ctx.plan):
             if not lp.type.startswith("Conv") or lp.type.startswith("ConvTranspose"):
                 continue
             t = _layer_output(ctx.graph, lp.name)
-            if t is None:
+            if t is None or t.key in hooked:
                 continue
             r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
             # Also when quantized layers read it too but the int8 ops are residual Adds: the
@@ -284,8 +294,7 @@ class ActivationQuant(Technique):
             # fake-quant model does not apply to the Add (MNIST SE net: 90.9 vs 90.5 %).
             if r["int8"] and not r["other"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
-        convs = {lp.name for lp in self.planned(ctx.plan) if lp.type.startswith("Conv") and not lp.type.startswith("ConvTranspose")}
-        return ActState(ops, outputs=outputs, residual=_residual_sites(ctx.graph, planned, set(ops), convs))
+        return ActState(ops, outputs=outputs, residual=residual, concats=concats)
 
     def from_record(self, ctx: Context) -> ActState:
         state = self.plan(ctx)
@@ -293,7 +302,7 @@ class ActivationQuant(Technique):
         return state
 
     def check_restore(self, ctx: Context, state: ActState) -> None:
-        for name in sorted(state.stored - set(state.ops) - set(state.outputs) - set(state.residual)):
+        for name in sorted(state.stored - set(state.ops) - set(state.outputs) - set(state.residual) - set(state.concats)):
             raise ValueError(f"record_file has activation quantizers for module {name!r}, which this model and "
                              "config do not quantize (record from another model or config?)")
 
@@ -328,6 +337,7 @@ class ActivationQuant(Technique):
             for n in layers:
                 ctx.parts_of(n).input_on_grid = True
             state.hooked[name] = aq
+        state.concat_hooked = hook_sites(ctx.model, state.concats, ctx.parts_of)
 
     def to_record(self, state: ActState, layers, record: ScaleOffsetRecord) -> None:
         found = [(n, w.kind, w.quantizers()) for n, w in state.modules.items()]
@@ -345,6 +355,11 @@ class ActivationQuant(Technique):
                 continue
             node = _entry(record, name, "residual")  # the quantizer is the reading layers' input one
             node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.residual[name]])
+        for name, aq in state.concat_hooked.items():
+            if bool(aq.initialized):  # the quantizer is the reading layers' input one, recorded with them
+                node = _entry(record, name, "concat")
+                node.attr.add(name="inputs", type=AttrType.STRINGS, strings=[n.encode() for n in state.concats[name].inputs])
+                node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.concats[name].layers])
 
 
     @torch.no_grad()
