@@ -8,8 +8,8 @@ initializer ``<layer>.weight_int8``, per channel, zero point 0), so the export c
 of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
 1. Conv/Gemm bias -> int32
    initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
-2. Output quantization, visiting layers (and Adds / Muls / average pools whose inputs are
-   quantized) in topological order. If the output reaches, through ops that commute with
+2. Output quantization, visiting layers (and Adds / Muls / average pools / Concats whose inputs
+   are quantized) in topological order. If the output reaches, through ops that commute with
    quantization (Relu, Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze, constant-zero
    Pad), only input quantizers sharing one
    (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the

@@ -19,7 +19,9 @@ in-place one, the average pool before a classifier, concat), or only quantized l
 residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same reason. A tensor
 no layer produces that a quantized layer and residual Adds read (a block's output, a ReLU
 module's) gets that layer's own input quantizer through a forward hook on the module returning
-it (``quant/residual.py``). Other outputs that pass a ReLU are left to the deploy writer.
+it (``quant/residual.py``), and so does every module returning an input of a concat that
+quantized layers read (``concat_sites.py``). Other outputs that pass a ReLU are left to the
+deploy writer.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
