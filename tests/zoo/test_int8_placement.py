@@ -15,10 +15,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-
-import openamct as amct
 from torch import nn
 
+import openamct as amct
 from tests.zoo.families import build, reinitialise
 from tests.zoo.lifecycle import INT8
 
