@@ -1,4 +1,4 @@
-"""``QuantizedActivation``: a Sigmoid or SiLU module with INT8 quantizers around it, so the
+"""``QuantizedActivation``: a Sigmoid, SiLU, Hardswish or Hardsigmoid module with INT8 quantizers around it, so the
 tensors between two layers are integers in the deploy model (QLinearSigmoid, QLinearMul) and
 the fake-quant model computes the same grid values.
 
@@ -18,7 +18,11 @@ from torch import Tensor, nn
 
 __all__ = ["KINDS", "QuantizedActivation"]
 
-KINDS = ("silu", "sigmoid")
+KINDS = ("silu", "sigmoid", "hardswish", "hardsigmoid")
+# ORT's CPU provider has no int8 HardSwish / HardSigmoid kernel: those run in float between the
+# quantized input and output, as in quantize_static's graph; the quantizers still give the conv
+# before them a QLinearConv output and the ops after them (pools, multiplies) int8 inputs.
+HARD = {"hardswish": torch.nn.functional.hardswish, "hardsigmoid": torch.nn.functional.hardsigmoid}
 
 
 class QuantizedActivation(nn.Module):
@@ -39,6 +43,9 @@ class QuantizedActivation(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.q_in(x)
+        if self.kind in HARD:
+            out = HARD[self.kind](y)
+            return out if self.q_out is None else self.q_out(out)
         s = torch.sigmoid(y)
         if self.kind == "silu":
             out = y * self.q_inner(s)

@@ -1,5 +1,7 @@
-"""INT8 quantizers on the tensors between layers: a Sigmoid or SiLU module right
-after a quantized layer (through its folded BatchNorm) becomes a ``QuantizedActivation``.
+"""INT8 quantizers on the tensors between layers: a Sigmoid, SiLU, Hardswish or Hardsigmoid
+module right after a quantized layer (through its folded BatchNorm) becomes a
+``QuantizedActivation`` (ORT runs the hard ones in float between their Q/DQ, as quantize_static's
+graph does; their quantized output lets the pools and multiplies after them run in int8).
 
 Why: ONNX Runtime has integer kernels for Sigmoid and Mul (QLinearSigmoid, QLinearMul) but runs
 them only when each is DQ -> op -> Q. Left float, the layer before them also lacks the output
@@ -60,7 +62,9 @@ ALGORITHM = "activation_quant"
 # ``silu`` function node scoped to the module, whose whole forward it is.
 KIND_OF = {("torch.nn.modules.activation", "SiLU"): "silu",
            ("torch.nn.modules.activation", "Sigmoid"): "sigmoid",
-           ("transformers.activations", "SiLUActivation"): "silu"}
+           ("transformers.activations", "SiLUActivation"): "silu",
+           ("torch.nn.modules.activation", "Hardswish"): "hardswish",  # (torchvision's MobileNetV3)
+           ("torch.nn.modules.activation", "Hardsigmoid"): "hardsigmoid"}
 ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes such a class's forward is
 
 
@@ -316,7 +320,10 @@ class ActivationQuant(Technique):
                 aq.layer_name = f"{name} ({what})"  # for its error messages
                 return aq
             sig_out = q(True, "sigmoid output")  # sigmoid >= 0: clip_min pinned at 0
-            if d.kind == "silu":
+            if d.kind in ("hardswish", "hardsigmoid"):  # no inner op ORT could run in int8
+                wrapper = QuantizedActivation(d.kind, q(False, "input"), None,
+                                              q(d.kind == "hardsigmoid", "output") if d.quantize_output else None)
+            elif d.kind == "silu":
                 wrapper = QuantizedActivation("silu", q(False, "input"), sig_out,
                                               q(False, "output") if d.quantize_output else None)
             else:
