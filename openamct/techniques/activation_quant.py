@@ -319,15 +319,12 @@ class ActivationQuant(Technique):
                 aq = ActULQ(fixed_min=fixed_min, batch_num=batch_num)
                 aq.layer_name = f"{name} ({what})"  # for its error messages
                 return aq
-            sig_out = q(True, "sigmoid output")  # sigmoid >= 0: clip_min pinned at 0
-            if d.kind in ("hardswish", "hardsigmoid"):  # no inner op ORT could run in int8
-                wrapper = QuantizedActivation(d.kind, q(False, "input"), None,
-                                              q(d.kind == "hardsigmoid", "output") if d.quantize_output else None)
-            elif d.kind == "silu":
-                wrapper = QuantizedActivation("silu", q(False, "input"), sig_out,
+            sig_out = q(True, "gate output")  # (hard) sigmoid >= 0: clip_min pinned at 0
+            if d.kind in ("silu", "hardswish"):  # x * gate(x): the gate's output is quantized too
+                wrapper = QuantizedActivation(d.kind, q(False, "input"), sig_out,
                                               q(False, "output") if d.quantize_output else None)
             else:
-                wrapper = QuantizedActivation("sigmoid", q(False, "input"), None,
+                wrapper = QuantizedActivation(d.kind, q(False, "input"), None,
                                               sig_out if d.quantize_output else None)
             wrapper.train(ctx.model.get_submodule(name).training)
             set_module(ctx.model, name, wrapper)

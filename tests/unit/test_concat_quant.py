@@ -95,7 +95,7 @@ def test_concat_inputs_take_the_readers_quantizer(saved):
     assert sorted(hooks) == ["b1", "b2", "b3"]
     assert all(h.quantizer is c.head.act_quant for h in hooks.values())
     assert c.b3.conv.act_quant is c.b1.conv.act_quant is c.b2.conv.act_quant  # through the max pool
-    assert isinstance(c.hs, QuantizedActivation) and c.hs.kind == "hardswish" and c.hs.q_out is None
+    assert isinstance(c.hs, QuantizedActivation) and c.hs.kind == "hardswish" and c.hs.q_inner is not None and c.hs.q_out is None
     entries = {pr.selective_prune.name: pr.selective_prune for pr in read_record(saved["rec"]).prune_record
                if selective_algorithm(pr) == ALGORITHM}
     assert set(entries) == {"cat_0", "hs"}
