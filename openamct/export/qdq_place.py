@@ -85,6 +85,16 @@ def _pools_onto(g: OnnxGraph, op: onnx.NodeProto, p: tuple) -> bool:
     return bool(users) and all(u.op_type == "QuantizeLinear" and qparams(g, u) == p for u in users)
 
 
+def _pools_into_concat(g: OnnxGraph, op: onnx.NodeProto, t: str, p: tuple) -> bool:
+    """A MaxPool of ``t``, on the grid ``p`` (``_on_grid``), that Concats alone read
+    (Inception's max-pool branches): its output is on that grid too, so a Q/DQ of ``p`` after
+    it is exact and the next Concat reads DQs only (QLinearConcat requantizes each input)."""
+    if op.op_type != "MaxPool" or len(op.output) != 1 or g.is_output(op.output[0]) or not _on_grid(g, t, p):
+        return False
+    users = g.users(op.output[0])
+    return bool(users) and all(u.op_type == "Concat" for u in users)
+
+
 def _walk(g: OnnxGraph, y: str):
     """Follow pass-through ops from ``y`` (each tensor read by one of them, plus Adds) to a
     tensor read only by input quantizers with one qparams (and Adds). Returns (chain, final Q,
@@ -99,8 +109,8 @@ def _walk(g: OnnxGraph, y: str):
             p = next(iter(params))
             # an average pool reads DQ(Q(t)) only where t is on that grid already (a Concat of
             # DQs of these qparams): fake-quant averages t itself
-            if all(u.op_type == "Add" or _pools_onto(g, u, p) or u.op_type in AVG_POOLS and _on_grid(g, t, p)
-                   for u in adds):
+            if all(u.op_type == "Add" or _pools_onto(g, u, p) or _pools_into_concat(g, u, t, p) or
+                   u.op_type in AVG_POOLS and _on_grid(g, t, p) for u in adds):
                 return chain, qs[0], adds
             return None
         # A tensor also read by residual Adds (MobileNetV2's block output: the next block's
@@ -173,6 +183,8 @@ def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
     if dq is None:
         dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
     for add in adds:
+        if add.op_type == "MaxPool" and all(u.op_type == "Concat" for u in g.users(add.output[0])):
+            g.insert_qdq(add.output[0], p[0], p[1], p[2])
         for i, name in enumerate(add.input):
             if name == q.input[0]:
                 g.set_input(add, i, dq.output[0])

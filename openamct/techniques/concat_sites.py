@@ -48,6 +48,19 @@ def _is_cat(n: Node | None) -> bool:
     return n is not None and n.kind == "function" and n.op == "cat" and len(n.outputs) == 1
 
 
+def _only_cats_read(graph: Graph, t: TensorInfo) -> bool:
+    users = graph.users(t)
+    return not graph.is_output(t) and bool(users) and all(_is_cat(u) for u in users)
+
+
+def _pooled_cat(t: TensorInfo) -> bool:
+    """Whether ``t`` max-pools (through max pools) a concat's output."""
+    p = t.producer
+    while p is not None and p.op in MAX_POOLS and len(p.inputs) == 1:
+        p = p.inputs[0].producer
+    return _is_cat(p) and p is not t.producer
+
+
 def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model) -> list[str] | None:
     if graph.is_output(t):
         return None
@@ -58,6 +71,8 @@ def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model) -> li
             continue
         if len(n.inputs) != 1 or len(n.outputs) != 1 or n.inplace:
             return None
+        if n.op in MAX_POOLS and _only_cats_read(graph, n.outputs[0]):
+            continue  # an input of the next concat, on this one's grid (Inception's pool branch)
         if n.op in MAX_POOLS or n.op in MOVES:
             more = _reading_layers(graph, n.outputs[0], planned, model)
             if more is None:
@@ -78,6 +93,8 @@ def _input_modules(graph: Graph, cat: Node, excluded: set[str]) -> list[str] | N
             return False
         if _is_cat(t.producer):
             return all(take(i) for i in t.producer.inputs)
+        if _pooled_cat(t):
+            return True  # on that concat's grid where it is a site: QLinearConcat requantizes it
         m = graph.module_outputs.get(t.key)
         if m is None or m in excluded or m in found:
             return False
