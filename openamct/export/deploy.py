@@ -8,8 +8,8 @@ initializer ``<layer>.weight_int8``, per channel, zero point 0), so the export c
 of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
 1. Conv/Gemm bias -> int32
    initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
-2. Output quantization, visiting layers (and Adds / Muls / average pools whose inputs are
-   quantized) in topological order. If the output reaches, through ops that commute with
+2. Output quantization, visiting layers (and Adds / Muls / average pools / Concats whose inputs
+   are quantized) in topological order. If the output reaches, through ops that commute with
    quantization (Relu, Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze, constant-zero
    Pad), only input quantizers sharing one
    (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the
@@ -51,6 +51,7 @@ from openamct.export.export_layer import (
     per_channel_view,
 )
 from openamct.export.onnx_graph import OnnxGraph
+from openamct.export.qdq_place import dedupe, drop_requantize, passes, place, qparams
 from openamct.export.recurrent import fold_recurrent
 from openamct.formats import INT8_WEIGHT
 from openamct.quant.covering_pool import fold_pools
@@ -61,7 +62,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["fold_deploy", "finish_deploy"]
 
 INT_ANCHORS = {"Conv", "Gemm"}  # ORT CPU has integer kernels for these (Linear exports as Gemm)
-PASS_OPS = {"Relu", "Clip", "MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
 
 
 def _weight_dq(layer: CompressedLayer, w: Tensor, parts: ExportParts) -> WeightDQ | None:
@@ -126,151 +126,6 @@ def _bias_to_int32(g: OnnxGraph) -> None:
         g.set_input(n, 2, dq.output[0])
 
 
-def _qparams(g: OnnxGraph, q: onnx.NodeProto) -> tuple | None:
-    s, zp = g.const(q.input[1]), g.const(q.input[2]) if len(q.input) > 2 else None
-    if s is None or zp is None or s.size != 1 or zp.dtype not in (np.int8, np.uint8):
-        return None  # (a single-op INT16 input pair feeds a float kernel: not an integer-kernel input)
-    return float(s.reshape(())), int(zp.reshape(())), zp.dtype
-
-
-def _act_qs(g: OnnxGraph, tensor: str) -> list:
-    return [n for n in g.users(tensor) if n.op_type == "QuantizeLinear" and _qparams(g, n) is not None]
-
-
-def _dedupe(g: OnnxGraph) -> None:
-    for op in ("QuantizeLinear", "DequantizeLinear"):
-        seen: dict = {}
-        for n in list(g.nodes):
-            if n.op_type != op or g.const(n.input[0]) is not None:
-                continue
-            p = _qparams(g, n)
-            if p is None:
-                continue
-            key = (n.input[0], p)
-            if key in seen:
-                g.replace_uses(n.output[0], seen[key].output[0])
-                g.remove(n)
-            else:
-                seen[key] = n
-
-
-def _drop_requantize(g: OnnxGraph) -> int:
-    """Q(DQ(q)) with the very qparams of that DQ is q: a layer reading a tensor that an output
-    hook already put on its grid (quant/residual.py) exports its own Q/DQ once more."""
-    dropped = 0
-    for q in [n for n in g.nodes if n.op_type == "QuantizeLinear"]:
-        dq = g.producer(q.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or g.is_output(q.output[0]):
-            continue
-        p = _qparams(g, q)
-        if p is not None and p == _qparams(g, dq):
-            g.replace_uses(q.output[0], dq.input[0])
-            g.remove(q)
-            dropped += 1
-    return dropped
-
-
-def _passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
-    """Ops that map grid values to grid values; a constant Pad with 0 too (0 is on every uint8
-    grid: it is the zero point), e.g. HF's TF-style "same" padding before a strided conv."""
-    if op.op_type in PASS_OPS:
-        return True
-    if op.op_type != "Pad" or g.attr(op, "mode", b"constant") not in (b"constant", "constant"):
-        return False
-    value = g.const(op.input[2]) if len(op.input) > 2 and op.input[2] else None
-    return value is None or (value.size == 1 and float(value.reshape(())) == 0.0)
-
-
-def _walk(g: OnnxGraph, y: str):
-    """Follow pass-through ops from ``y`` (each tensor read by one of them, plus Adds) to a
-    tensor read only by input quantizers with one qparams (and Adds). Returns (chain, final Q,
-    adds reading that tensor) or None."""
-    chain, t, branched = [], y, False
-    while not g.is_output(t):
-        users = g.users(t)
-        qs = _act_qs(g, t)
-        params = {_qparams(g, q) for q in qs}
-        if qs and len(params) == 1:
-            adds = [u for u in users if u not in qs]
-            if all(u.op_type == "Add" for u in adds):
-                return chain, qs[0], adds
-            return None
-        # A tensor also read by residual Adds (MobileNetV2's block output: the next block's
-        # TF pad -> expand conv, and its Add): follow the one other reader. _place puts a Q/DQ
-        # on every tensor of the chain but the last, so these Adds then read DQ(Q(t)). Only
-        # where no Relu/Clip follows, whose quantizer's range would clip what the Add reads.
-        others = [u for u in users if u.op_type != "Add" or any(g.const(i) is not None for i in u.input)]
-        if len(others) != 1 or not _passes(g, others[0]) or len(others[0].output) != 1:
-            return None  # (a MaxPool with an indices output is not a pass-through)
-        if len(others) < len(users):
-            branched = True
-        if branched and others[0].op_type in ("Relu", "Clip"):
-            return None
-        chain.append(others[0])
-        t = others[0].output[0]
-    return None
-
-
-def _skippable(g: OnnxGraph, op: onnx.NodeProto, p: tuple) -> bool:
-    """ORT drops a Relu/Clip right before a Q whose representable range lies inside it."""
-    s, zp, dtype = p
-    lo, hi = (np.iinfo(dtype).min - zp) * s, (np.iinfo(dtype).max - zp) * s
-    if op.op_type == "Relu":
-        return lo >= 0.0
-    if op.op_type == "Clip":
-        cmin = g.const(op.input[1]) if len(op.input) > 1 and op.input[1] else None
-        cmax = g.const(op.input[2]) if len(op.input) > 2 and op.input[2] else None
-        return (cmin is None or lo >= float(cmin)) and (cmax is None or hi <= float(cmax))
-    return False
-
-
-def _uint8(lo: float, hi: float) -> tuple[float, int]:
-    s = float(max(np.float32(hi - lo) / np.float32(255), np.finfo(np.float32).eps))
-    return s, int(np.clip(np.rint(-lo / s), 0, 255))
-
-
-def _fallback(g: OnnxGraph, y: str, rng: tuple[float, float]) -> bool:
-    """Q/DQ from a value range (an output observer's, or an Add's input bound); behind a Relu
-    that follows, with the range clipped at 0, so ORT drops the Relu and the step is finer."""
-    lo, hi = rng
-    users = g.users(y)
-    if len(users) == 1 and users[0].op_type in ("Relu", "Clip") and not g.is_output(y):
-        op = users[0]
-        cmin = g.const(op.input[1]) if op.op_type == "Clip" and len(op.input) > 1 and op.input[1] else None
-        cmax = g.const(op.input[2]) if op.op_type == "Clip" and len(op.input) > 2 and op.input[2] else None
-        lo = max(lo, 0.0 if op.op_type == "Relu" else float(cmin) if cmin is not None else lo)
-        hi = min(hi, float(cmax)) if cmax is not None else hi
-        y = op.output[0]
-    if g.is_output(y):
-        return False
-    s, zp = _uint8(min(lo, 0.0), max(hi, 0.0))
-    g.insert_qdq(y, s, zp, np.uint8)
-    return True
-
-
-def _place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
-    """Quantize the output ``y`` of an integer-capable op; True when it ends up quantized."""
-    found = _walk(g, y)
-    if found is None:
-        return rng is not None and _fallback(g, y, rng)
-    chain, q, adds = found
-    p = _qparams(g, q)
-    if chain and chain[0].op_type in ("Relu", "Clip") and _skippable(g, chain[0], p):
-        points = [op.output[0] for op in chain[:-1]]  # layer -> Relu -> Q: ORT drops the Relu
-    else:
-        points = ([y] if chain else []) + [op.output[0] for op in chain[:-1]]
-    for t in points:
-        g.insert_qdq(t, p[0], p[1], p[2])
-    dq = next((u for u in g.users(q.output[0]) if u.op_type == "DequantizeLinear"), None)
-    if dq is None:
-        dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
-    for add in adds:
-        for i, name in enumerate(add.input):
-            if name == q.input[0]:
-                g.set_input(add, i, dq.output[0])
-    return True
-
-
 def _fuse_pads(g: OnnxGraph) -> int:
     """Pad -> Q -> DQ -> Conv(s), a constant-zero Pad on the spatial axes only: the Q moves
     before the Pad and the Conv takes the padding itself (QLinearConv pads with the zero point,
@@ -280,7 +135,7 @@ def _fuse_pads(g: OnnxGraph) -> int:
     for pad in [n for n in g.nodes if n.op_type == "Pad"]:
         pads = g.const(pad.input[1]) if len(pad.input) > 1 else None
         users = g.users(pad.output[0])
-        if pads is None or not _passes(g, pad) or len(users) != 1 or users[0].op_type != "QuantizeLinear" \
+        if pads is None or not passes(g, pad) or len(users) != 1 or users[0].op_type != "QuantizeLinear" \
                 or g.is_output(pad.output[0]) or len(pad.input) > 3 and pad.input[3]:
             continue
         q = users[0]
@@ -296,7 +151,7 @@ def _fuse_pads(g: OnnxGraph) -> int:
             continue
         src = pad.input[0]
         before = g.producer(src)
-        if before is not None and before.op_type == "DequantizeLinear" and _qparams(g, before) == _qparams(g, q):
+        if before is not None and before.op_type == "DequantizeLinear" and qparams(g, before) == qparams(g, q):
             new_in = src  # already DQ(Q(.)) with these qparams
         else:
             q2 = g.make("QuantizeLinear", [src, q.input[1], q.input[2]])
@@ -322,7 +177,7 @@ def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     if len(users) != 1 or users[0].op_type not in ("GlobalAveragePool", "AveragePool"):
         return None
     lo = hi = 0.0
-    for p in (_qparams(g, g.producer(name)) for name in add.input):
+    for p in (qparams(g, g.producer(name)) for name in add.input):
         if p is None:
             return None
         lo, hi = lo + (np.iinfo(p[2]).min - p[1]) * p[0], hi + (np.iinfo(p[2]).max - p[1]) * p[0]
@@ -351,8 +206,8 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     g.constants_to_initializers()
     g.fold_constants()
     _bias_to_int32(g)
-    requantized = _drop_requantize(g)
-    _dedupe(g)
+    requantized = drop_requantize(g)
+    dedupe(g)
     placed = int8 = 0
     for n in g.topological():
         if n.op_type in INT_ANCHORS:
@@ -366,19 +221,21 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(w) if n.op_type == "Conv" and not _feeds_float_bn(g, n.output[0]) else None
-            placed += _place(g, n.output[0], obs)
+            placed += place(g, n.output[0], obs)
         elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                                            and g.const(p.input[0]) is None for i in n.input[:2]):
             # an activation x activation product (techniques/matmul_quant.py): QLinearMatMul where
             # only quantizers of one qparams read its output, else MatMulIntegerToFloat (Swin-T
             # window shapes, ORT 1.32: QLinearMatMul 0.97x MatMulIntegerToFloat + Q; with a DQ
             # after it 1.15-1.2x MatMulIntegerToFloat, so a float reader gets no Q/DQ here)
-            placed += _place(g, n.output[0], None)
-        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool") and _int8_pool(g, n) and all(
-                (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input[:2]):
+            placed += place(g, n.output[0], None)
+        elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat") and _int8_pool(g, n) and all(
+                (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
+                for i in (n.input if n.op_type == "Concat" else n.input[:2])):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
-            # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation)
-            placed += _place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
+            # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation;
+            # Concat: QLinearConcat, techniques/concat_sites.py)
+            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
     pads = _fuse_pads(g)
     g.finish()
     logger.debug("deploy post-pass: %d zero pads fused into convs, %d Q(DQ) pairs dropped", pads, requantized)

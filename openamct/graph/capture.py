@@ -41,6 +41,10 @@ def _is_opaque(module: nn.Module) -> bool:
     return builtin or owns_state
 
 
+# functionals whose second positional argument is ``inplace``
+INPLACE_FLAG = {"relu", "relu6", "hardswish", "hardsigmoid", "silu", "mish", "selu"}
+
+
 def _op_name(func: Any) -> tuple[str, bool]:
     """Normalise a torch function to (op, inplace): Tensor.__iadd__ -> ("add", True)."""
     name = getattr(func, "__name__", None) or str(func)
@@ -158,6 +162,8 @@ class _Builder:
         if not outs:
             return
         in_ids = {id(a) for a in flatten_tensors((args, kwargs))}
+        # F.relu(x, inplace=True) and the like reach the mode as the functional with a flag
+        inplace = inplace or kwargs.get("inplace") is True or op in INPLACE_FLAG and len(args) > 1 and args[1] is True
         if not inplace and all(id(t) in in_ids for t in outs):
             return  # an alias such as .contiguous() on a contiguous tensor: same value, no op
         inputs: list[TensorInfo] = []

@@ -67,21 +67,10 @@ class Graph:
 
     def fed_by_relu(self, module_name: str) -> bool:
         """True when the layer's input is a ReLU output, possibly through pooling/reshaping
-        ops that keep values non-negative (so the activation clip_min can be pinned at 0)."""
+        ops that keep values non-negative, or a concat of such outputs (so the activation
+        clip_min can be pinned at 0)."""
         node = self.call_of(module_name)
-        if node is None or not node.inputs:
-            return False
-        producer = node.inputs[0].producer
-        while producer is not None:
-            if (producer.kind == "module" and producer.op in RELU_MODULES) or (
-                    producer.kind == "function" and producer.op in RELU_FUNCTIONS):
-                return True
-            keeps_sign = (producer.kind == "module" and producer.op in SIGN_PRESERVING_MODULES) or (
-                producer.kind == "function" and producer.op in SIGN_PRESERVING_FUNCTIONS)
-            if not keeps_sign or not producer.inputs:
-                return False
-            producer = producer.inputs[0].producer
-        return False
+        return node is not None and bool(node.inputs) and _relu_fed(node.inputs[0])
 
     def input_tensor(self, module_name: str) -> TensorInfo | None:
         node = self.call_of(module_name)
@@ -93,3 +82,19 @@ class Graph:
             ins = ", ".join(repr(t) for t in n.inputs)
             lines.append(f"{n.idx:4d} {n.kind:8s} {n.name:30s} {n.op:20s} <- {ins}")
         return "\n".join(lines)
+
+
+def _relu_fed(t: TensorInfo) -> bool:
+    producer = t.producer
+    while producer is not None:
+        if (producer.kind == "module" and producer.op in RELU_MODULES) or (
+                producer.kind == "function" and producer.op in RELU_FUNCTIONS):
+            return True
+        if producer.kind == "function" and producer.op == "cat":
+            return bool(producer.inputs) and all(_relu_fed(i) for i in producer.inputs)
+        keeps_sign = (producer.kind == "module" and producer.op in SIGN_PRESERVING_MODULES) or (
+            producer.kind == "function" and producer.op in SIGN_PRESERVING_FUNCTIONS)
+        if not keeps_sign or not producer.inputs:
+            return False
+        producer = producer.inputs[0].producer
+    return False

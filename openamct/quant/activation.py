@@ -1,9 +1,9 @@
-"""``QuantizedActivation``: a Sigmoid or SiLU module with INT8 quantizers around it, so the
-tensors between two layers are integers in the deploy model (QLinearSigmoid, QLinearMul) and
-the fake-quant model computes the same grid values.
+"""``QuantizedActivation``: a Sigmoid, SiLU, Hardswish or Hardsigmoid module with INT8
+quantizers around it, so the tensors between two layers are integers in the deploy model
+(QLinearSigmoid, QLinearMul) and the fake-quant model computes the same grid values.
 
 SiLU is written as ``y * sigmoid(y)`` with ``y = q_in(x)``, which is how the ONNX exporter
-writes it (Sigmoid, Mul): quantizing the Sigmoid output (``q_inner``) and, when no quantized
+writes it (Sigmoid, Mul), Hardswish as ``y * hardsigmoid(y)``: quantizing the Sigmoid output (``q_inner``) and, when no quantized
 layer reads the result, the Mul output (``q_out``) gives ORT a DQ -> op -> Q around each op.
 The same class serves export: the quantizers are then swapped for FakeQuantAct / QDQAct
 (``with_quantizers``), so training, fake-quant and deploy run one forward.
@@ -14,11 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["KINDS", "QuantizedActivation"]
 
-KINDS = ("silu", "sigmoid")
+KINDS = ("silu", "sigmoid", "hardswish", "hardsigmoid")
+# kind -> its gate; SiLU and Hardswish multiply their input by it. ORT's CPU provider has no int8
+# HardSigmoid kernel: it runs in float between its Q/DQ, as in quantize_static's graph (which
+# writes Hardswish as x * HardSigmoid(x) too), and the Mul after it as QLinearMul.
+GATES = {"silu": torch.sigmoid, "sigmoid": torch.sigmoid, "hardswish": F.hardsigmoid, "hardsigmoid": F.hardsigmoid}
+SELF_GATED = ("silu", "hardswish")
 
 
 class QuantizedActivation(nn.Module):
@@ -29,8 +35,8 @@ class QuantizedActivation(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-        if kind == "silu" and q_inner is None:
-            raise ValueError("q_inner: a SiLU needs the quantizer of its Sigmoid output")
+        if kind in SELF_GATED and q_inner is None:
+            raise ValueError(f"q_inner: a {kind} needs the quantizer of its gate's output")
         self.kind = kind
         self.q_in, self.q_inner, self.q_out = q_in, q_inner, q_out
 
@@ -39,11 +45,8 @@ class QuantizedActivation(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.q_in(x)
-        s = torch.sigmoid(y)
-        if self.kind == "silu":
-            out = y * self.q_inner(s)
-        else:
-            out = s
+        s = GATES[self.kind](y)
+        out = y * self.q_inner(s) if self.kind in SELF_GATED else s
         return out if self.q_out is None else self.q_out(out)
 
     def with_quantizers(self, make: Callable[[float, int], nn.Module]) -> QuantizedActivation:

@@ -1,5 +1,7 @@
-"""INT8 quantizers on the tensors between layers: a Sigmoid or SiLU module right
-after a quantized layer (through its folded BatchNorm) becomes a ``QuantizedActivation``.
+"""INT8 quantizers on the tensors between layers: a Sigmoid, SiLU, Hardswish or Hardsigmoid
+module right after a quantized layer (through its folded BatchNorm) becomes a
+``QuantizedActivation`` (ORT runs the hard ones in float between their Q/DQ, as quantize_static's
+graph does; their quantized output lets the pools and multiplies after them run in int8).
 
 Why: ONNX Runtime has integer kernels for Sigmoid and Mul (QLinearSigmoid, QLinearMul) but runs
 them only when each is DQ -> op -> Q. Left float, the layer before them also lacks the output
@@ -19,7 +21,9 @@ in-place one, the average pool before a classifier, concat), or only quantized l
 residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same reason. A tensor
 no layer produces that a quantized layer and residual Adds read (a block's output, a ReLU
 module's) gets that layer's own input quantizer through a forward hook on the module returning
-it (``quant/residual.py``). Other outputs that pass a ReLU are left to the deploy writer.
+it (``quant/residual.py``), and so does every module returning an input of a concat that
+quantized layers read (``concat_sites.py``). Other outputs that pass a ReLU are left to the
+deploy writer.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
@@ -47,6 +51,7 @@ from openamct.quant.residual import OutputQuantHook
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import AttrType, PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, ExportParts, Technique, selective_algorithm
+from openamct.techniques.concat_sites import ConcatSite, concat_sites, hook_sites, hooked_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +62,9 @@ ALGORITHM = "activation_quant"
 # ``silu`` function node scoped to the module, whose whole forward it is.
 KIND_OF = {("torch.nn.modules.activation", "SiLU"): "silu",
            ("torch.nn.modules.activation", "Sigmoid"): "sigmoid",
-           ("transformers.activations", "SiLUActivation"): "silu"}
+           ("transformers.activations", "SiLUActivation"): "silu",
+           ("torch.nn.modules.activation", "Hardswish"): "hardswish",  # (torchvision's MobileNetV3)
+           ("torch.nn.modules.activation", "Hardsigmoid"): "hardsigmoid"}
 ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes such a class's forward is
 
 
@@ -98,6 +105,8 @@ class ActState:
     residual: dict[str, list[str]] = field(default_factory=dict)
     hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: module -> quantizer
     modules: dict[str, QuantizedActivation] = field(default_factory=dict)  # filled by apply
+    concats: dict[str, ConcatSite] = field(default_factory=dict)  # concat_sites.py
+    concat_hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: site -> quantizer
     stored: set[str] = field(default_factory=set)  # restore: the record's module names
 
 
@@ -216,6 +225,10 @@ def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: s
     return sites
 
 
+def _convs(plans) -> set[str]:
+    return {lp.name for lp in plans if lp.type.startswith("Conv") and not lp.type.startswith("ConvTranspose")}
+
+
 def _layer_output(graph: Graph, name: str) -> TensorInfo | None:
     """The tensor a conv's output becomes after its folded BatchNorm (if any)."""
     node = graph.call_of(name)
@@ -270,12 +283,15 @@ class ActivationQuant(Technique):
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
+        residual = _residual_sites(ctx.graph, planned, set(ops), _convs(self.planned(ctx.plan)))
+        concats = concat_sites(ctx.graph, planned, planned | set(ops) | set(residual), ctx.model)
+        hooked = hooked_tensors(ctx.graph, concats)  # a concat's input hook quantizes these
         outputs = []
         for lp in self.planned(ctx.plan):
             if not lp.type.startswith("Conv") or lp.type.startswith("ConvTranspose"):
                 continue
             t = _layer_output(ctx.graph, lp.name)
-            if t is None:
+            if t is None or t.key in hooked:
                 continue
             r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
             # Also when quantized layers read it too but the int8 ops are residual Adds: the
@@ -284,8 +300,7 @@ class ActivationQuant(Technique):
             # fake-quant model does not apply to the Add (MNIST SE net: 90.9 vs 90.5 %).
             if r["int8"] and not r["other"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
-        convs = {lp.name for lp in self.planned(ctx.plan) if lp.type.startswith("Conv") and not lp.type.startswith("ConvTranspose")}
-        return ActState(ops, outputs=outputs, residual=_residual_sites(ctx.graph, planned, set(ops), convs))
+        return ActState(ops, outputs=outputs, residual=residual, concats=concats)
 
     def from_record(self, ctx: Context) -> ActState:
         state = self.plan(ctx)
@@ -293,7 +308,7 @@ class ActivationQuant(Technique):
         return state
 
     def check_restore(self, ctx: Context, state: ActState) -> None:
-        for name in sorted(state.stored - set(state.ops) - set(state.outputs) - set(state.residual)):
+        for name in sorted(state.stored - set(state.ops) - set(state.outputs) - set(state.residual) - set(state.concats)):
             raise ValueError(f"record_file has activation quantizers for module {name!r}, which this model and "
                              "config do not quantize (record from another model or config?)")
 
@@ -304,12 +319,12 @@ class ActivationQuant(Technique):
                 aq = ActULQ(fixed_min=fixed_min, batch_num=batch_num)
                 aq.layer_name = f"{name} ({what})"  # for its error messages
                 return aq
-            sig_out = q(True, "sigmoid output")  # sigmoid >= 0: clip_min pinned at 0
-            if d.kind == "silu":
-                wrapper = QuantizedActivation("silu", q(False, "input"), sig_out,
+            sig_out = q(True, "gate output")  # (hard) sigmoid >= 0: clip_min pinned at 0
+            if d.kind in ("silu", "hardswish"):  # x * gate(x): the gate's output is quantized too
+                wrapper = QuantizedActivation(d.kind, q(False, "input"), sig_out,
                                               q(False, "output") if d.quantize_output else None)
             else:
-                wrapper = QuantizedActivation("sigmoid", q(False, "input"), None,
+                wrapper = QuantizedActivation(d.kind, q(False, "input"), None,
                                               sig_out if d.quantize_output else None)
             wrapper.train(ctx.model.get_submodule(name).training)
             set_module(ctx.model, name, wrapper)
@@ -328,6 +343,7 @@ class ActivationQuant(Technique):
             for n in layers:
                 ctx.parts_of(n).input_on_grid = True
             state.hooked[name] = aq
+        state.concat_hooked = hook_sites(ctx.model, state.concats, ctx.parts_of)
 
     def to_record(self, state: ActState, layers, record: ScaleOffsetRecord) -> None:
         found = [(n, w.kind, w.quantizers()) for n, w in state.modules.items()]
@@ -345,6 +361,11 @@ class ActivationQuant(Technique):
                 continue
             node = _entry(record, name, "residual")  # the quantizer is the reading layers' input one
             node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.residual[name]])
+        for name, aq in state.concat_hooked.items():
+            if bool(aq.initialized):  # the quantizer is the reading layers' input one, recorded with them
+                node = _entry(record, name, "concat")
+                node.attr.add(name="inputs", type=AttrType.STRINGS, strings=[n.encode() for n in state.concats[name].inputs])
+                node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.concats[name].layers])
 
 
     @torch.no_grad()

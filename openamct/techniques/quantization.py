@@ -154,6 +154,22 @@ def _keys(name: str, info) -> list[str]:
     return record_keys(name, info.module.num_layers, info.module.bidirectional)
 
 
+MAX_POOLS = {("module", "MaxPool1d"), ("module", "MaxPool2d"), ("module", "MaxPool3d"),
+             ("function", "max_pool1d"), ("function", "max_pool2d"), ("function", "max_pool3d")}
+
+
+def _pooled_from(t):
+    """The tensor ``t`` max-pools (through max pools), else ``t``: a layer reading max_pool(x)
+    shares the input quantizer of the layers reading x. Max pooling commutes with a monotone
+    quantizer, so the deploy model pools the uint8 tensor (ORT runs DQ -> MaxPool -> Q of one
+    qparams as a uint8 MaxPool) and fake-quant computes the same values (GoogLeNet's pool
+    branches, which read the tensor the other branches' convs read)."""
+    p = t.producer
+    while p is not None and (p.kind, p.op) in MAX_POOLS and len(p.inputs) == 1 and len(p.outputs) == 1:
+        t, p = p.inputs[0], p.inputs[0].producer
+    return t
+
+
 class Quantization(Technique):
     name = "quant"
     after = ("filter_prune",)  # a foldable BatchNorm is folded as channel pruning left it
@@ -220,6 +236,7 @@ class Quantization(Technique):
             if bn is not None and lp.type == "Linear" and len(call.outputs[0].shape) != 2:
                 bn = None  # BatchNorm1d after a 3-D Linear output normalises another axis
             # One Q/DQ per tensor lets ONNX Runtime keep that tensor in int8 (see export).
+            src = _pooled_from(src) if src is not None else None
             share = (src.key if src is not None else lp.name, act, bool(fixed))
             decisions[lp.name] = LayerQuantDecision(spec, bool(fixed), share, bn)
         return QuantState(decisions)

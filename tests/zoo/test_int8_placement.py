@@ -8,24 +8,46 @@ every CPU: the optimised graph depends on the ORT version, not on the float sums
 """
 
 import collections
+import importlib
 import os
 
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from torch import nn
 
 import openamct as amct
-from tests.zoo.families import build
+from tests.zoo.families import build, reinitialise
 from tests.zoo.lifecycle import INT8
 
 pytestmark = pytest.mark.slow
 
-INT8_KERNEL = {"Conv", "MatMul", "Sigmoid", "Mul", "Add", "GlobalAveragePool"}
+INT8_KERNEL = {"Conv", "MatMul", "Sigmoid", "Mul", "Add", "GlobalAveragePool", "Concat", "MaxPool"}
+
+
+def _inception():
+    """Three torchvision GoogLeNet blocks, narrow: concats of four branches (in-place ReLUs, a
+    max-pool branch reading the tensor the 1x1 convs read), a max pool between blocks. A conv
+    reads the last concat: one only an average pool reads stays float (docs/limits.md)."""
+    from tests.zoo.torchvision_ops import vision_modules
+
+    vision_modules()
+    G = importlib.import_module("torchvision.models.googlenet")  # (torchvision.models.googlenet: the builder)
+    model = nn.Sequential(G.BasicConv2d(3, 16, kernel_size=3, padding=1), G.Inception(16, 8, 8, 8, 4, 4, 4),
+                          nn.MaxPool2d(3, 2, ceil_mode=True), G.Inception(24, 8, 8, 8, 4, 4, 4),
+                          G.Inception(24, 8, 8, 8, 4, 4, 4), G.BasicConv2d(24, 16, kernel_size=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    inputs = {"input": torch.randn(2, 3, 16, 16)}
+    reinitialise(model, inputs)
+    return model.eval(), inputs
+
+
+BUILD = {"GoogLeNet-blocks": _inception}
 
 
 def _optimised(tmp_path, family: str) -> onnx.GraphProto:
-    model, inputs = build(family)
+    model, inputs = BUILD[family]() if family in BUILD else build(family)
     cfg, rec = str(tmp_path / "q.cfg"), str(tmp_path / "rec.txt")
     with open(cfg, "w") as f:
         f.write(INT8)
@@ -66,7 +88,7 @@ def _reaches(start, step, target: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("family", ["ResNet", "MobileNetV2", "EfficientNet", "RegNet"])
+@pytest.mark.parametrize("family", ["ResNet", "MobileNetV2", "EfficientNet", "RegNet", "GoogLeNet-blocks"])
 def test_no_float_op_between_quantized_layers(tmp_path, family):
     g = _optimised(tmp_path, family)
     prod = {o: n for n in g.node for o in n.output}
@@ -86,3 +108,5 @@ def test_no_float_op_between_quantized_layers(tmp_path, family):
     stuck = [f"{n.op_type} {n.name}" for n in g.node if n.op_type in INT8_KERNEL
              and _reaches(up(n), up, "DequantizeLinear") and _reaches(down(n), down, "QuantizeLinear")]
     assert not stuck, (stuck, dict(ops))
+    if family == "GoogLeNet-blocks":  # the block outputs' concats and the max pools run in uint8
+        assert ops["QLinearConcat"] == 3 and "Concat" not in ops and "MaxPool" not in ops, dict(ops)

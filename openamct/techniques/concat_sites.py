@@ -1,0 +1,140 @@
+"""Concats whose output quantized layers read (GoogLeNet's and Inception's blocks): where the
+cat's inputs are module outputs that only the cat reads, each of those modules gets the reading
+layers' shared input quantizer as an output hook (``quant/residual.py``'s ``OutputQuantHook``).
+
+Why: ONNX Runtime runs a Concat as QLinearConcat only when every input is a DequantizeLinear
+and its output a QuantizeLinear, and the branch convs before it as QLinearConv only when their
+outputs are quantized. With one quantizer on every input, the cat of grid values is on that
+grid, so the readers' quantizer leaves it as it is: fake-quant and deploy compute the same
+values, and every tensor of the block stays uint8 in deploy (the branch convs output straight
+into the concat's scale, the Concat copies bytes).
+
+The readers, through max pools (which pool the uint8 tensor, ``quantization._pooled_from``)
+and reshapes, must be quantized layers (one input quantizer, checked when applied) or average
+pools ORT runs in int8. A cat read by another cat only is part of that cat's site (Inception-E's
+nested cats). One record entry per concat, named ``<scope>:<cat node>``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from openamct.graph.graph import Graph
+from openamct.graph.node import Node, TensorInfo
+from openamct.quant.residual import OutputQuantHook
+
+__all__ = ["ConcatSite", "concat_sites", "hook_sites", "hooked_tensors"]
+
+logger = logging.getLogger(__name__)
+
+MAX_POOLS = {"MaxPool1d", "MaxPool2d", "MaxPool3d", "max_pool1d", "max_pool2d", "max_pool3d"}
+AVG_POOLS = {"AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool2d", "avg_pool1d", "avg_pool2d",
+             "avg_pool3d", "adaptive_avg_pool2d"}
+MOVES = {"flatten", "reshape", "view", "contiguous", "Flatten", "Identity"}
+
+
+@dataclass(frozen=True)
+class ConcatSite:
+    inputs: tuple[str, ...]  # modules whose outputs the cat reads: each gets an output hook
+    layers: tuple[str, ...]  # the quantized layers reading the cat's output (one input quantizer)
+
+
+def site_name(node: Node) -> str:
+    return f"{node.scope}:{node.name}" if node.scope else node.name
+
+
+def _is_cat(n: Node | None) -> bool:
+    return n is not None and n.kind == "function" and n.op == "cat" and len(n.outputs) == 1
+
+
+def _only_cats_read(graph: Graph, t: TensorInfo) -> bool:
+    users = graph.users(t)
+    return not graph.is_output(t) and bool(users) and all(_is_cat(u) for u in users)
+
+
+def _pooled_cat(t: TensorInfo) -> bool:
+    """Whether ``t`` max-pools (through max pools) a concat's output."""
+    p = t.producer
+    while p is not None and p.op in MAX_POOLS and len(p.inputs) == 1:
+        p = p.inputs[0].producer
+    return _is_cat(p) and p is not t.producer
+
+
+def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model) -> list[str] | None:
+    if graph.is_output(t):
+        return None
+    layers = []
+    for n in graph.users(t):
+        if n.kind == "module" and n.name in planned and n.inputs and n.inputs[0] is t:
+            layers.append(n.name)
+            continue
+        if len(n.inputs) != 1 or len(n.outputs) != 1 or n.inplace:
+            return None
+        if n.op in MAX_POOLS and _only_cats_read(graph, n.outputs[0]):
+            continue  # an input of the next concat, on this one's grid (Inception's pool branch)
+        if n.op in MAX_POOLS or n.op in MOVES:
+            more = _reading_layers(graph, n.outputs[0], planned, model)
+            if more is None:
+                return None
+            layers += more
+        elif n.op not in AVG_POOLS or n.kwargs.get("ceil_mode", False) or n.kind == "module" and \
+                getattr(model.get_submodule(n.name), "ceil_mode", False):
+            return None  # (ORT's QLinearAveragePool mis-averages ceil_mode windows: deploy._int8_pool)
+    return layers
+
+
+def _input_modules(graph: Graph, cat: Node, excluded: set[str]) -> list[str] | None:
+    """The modules returning the cat's inputs (through nested cats), each read by the cat alone."""
+    found: list[str] = []
+
+    def take(t: TensorInfo) -> bool:
+        if graph.is_output(t) or len(graph.users(t)) != 1:
+            return False
+        if _is_cat(t.producer):
+            return all(take(i) for i in t.producer.inputs)
+        if _pooled_cat(t):
+            return True  # on that concat's grid where it is a site: QLinearConcat requantizes it
+        m = graph.module_outputs.get(t.key)
+        if m is None or m in excluded or m in found:
+            return False
+        found.append(m)
+        return True
+
+    return found if cat.inputs and all(take(i) for i in cat.inputs) else None
+
+
+def concat_sites(graph: Graph, planned: set[str], excluded: set[str], model) -> dict[str, ConcatSite]:
+    """Record name -> site; ``excluded``: modules that may not take a hook (quantized layers,
+    wrapped activations, other hooks' modules)."""
+    sites = {}
+    for node in graph:
+        if not _is_cat(node) or any(_is_cat(u) for u in graph.users(node.outputs[0])):
+            continue
+        layers = _reading_layers(graph, node.outputs[0], planned, model)
+        inputs = _input_modules(graph, node, excluded) if layers else None
+        if inputs:
+            sites[site_name(node)] = ConcatSite(tuple(inputs), tuple(layers))
+    return sites
+
+
+def hooked_tensors(graph: Graph, sites: dict[str, ConcatSite]) -> set[int]:
+    """Keys of the tensors the sites' hooks quantize (their producers need no output quantizer)."""
+    mods = {m for s in sites.values() for m in s.inputs}
+    return {k for k, m in graph.module_outputs.items() if m in mods}
+
+
+def hook_sites(model, sites: dict[str, ConcatSite], parts_of) -> dict[str, object]:
+    """Hook each site's input modules with its readers' one input quantizer; returns site ->
+    quantizer for the sites hooked (the others stay float, as before)."""
+    hooked = {}
+    for name, site in sites.items():
+        qs = {id(q): q for n in site.layers if (q := parts_of(n).act_quant) is not None}
+        if len(qs) != 1 or any(parts_of(n).act_quant is None for n in site.layers):
+            logger.debug("%s: its readers %s do not share one input quantizer; left float", name, site.layers)
+            continue
+        (aq,) = qs.values()
+        for m in site.inputs:
+            model.get_submodule(m).register_forward_hook(OutputQuantHook(aq))
+        hooked[name] = aq
+    return hooked
