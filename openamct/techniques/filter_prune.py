@@ -55,6 +55,9 @@ class FilterPruning(Technique):
             return f"filter prune: {info.type} is pruned only passively (as a consumer)"
         if info.depthwise:
             return "filter prune: depthwise convs follow their input, never pruned actively"
+        if getattr(info, "functional", None) is not None:
+            return ("filter prune: its owner computes it with F.linear on its weight (not prunable: the owner's "
+                    "code may depend on its width)")
         return None
 
     def layer_spec(self, cfg, info, api: str, notes: list[str]) -> FilterSpec | None:
