@@ -156,3 +156,49 @@ def test_onnx_files_run_it_quantized(saved):
     int8 = sum(ops[k] for k in ("QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "MatMulInteger",
                                 "DynamicQuantizeMatMul"))
     assert int8 == 4, ops  # embed, qkv, proj, head
+
+
+class OtherBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.b = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return F.linear(x, self.lin.weight, self.b)
+
+
+class TwoCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.lin.weight, self.lin.bias), self.lin.weight, self.lin.bias)
+
+
+class NoBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return F.linear(x, self.lin.weight)
+
+
+@pytest.mark.parametrize("cls,why", [(OtherBias, "does not take exactly its weight and bias"),
+                                     (TwoCalls, "read by 2 torch call(s)"), (NoBias, None)])
+def test_discovery_takes_only_one_exact_call(cls, why):
+    from openamct.graph.capture import capture_graph
+    from openamct.graph.layers import find_layers
+    from openamct.techniques.filter_prune import FilterPruning
+
+    model = cls().eval()
+    graph = capture_graph(model, torch.randn(2, 8))
+    info = find_layers(model, graph)["lin"]
+    if why is None:
+        assert info.excluded is None and info.functional == ("", 0)
+        assert graph.call_of("lin").op == "linear"
+        assert "F.linear" in FilterPruning().eligible(info)
+    else:
+        assert info.functional is None and why in info.excluded
