@@ -96,13 +96,13 @@ def _tensor_arg(node: Node, pos: int, key: str):
     return node.inputs[a.pos] if isinstance(a, TensorArg) else None
 
 
-def functional_linear(name: str, module: nn.Module, graph: Graph, readers: dict[str, list[Node]]
+def functional_linear(name: str, module: nn.Module, model: nn.Module, readers: dict[str, list[Node]]
                       ) -> tuple[Node | None, str]:
     """The one ``F.linear(x, <name>.weight, <name>.bias)`` call of a Linear its owner never
     calls, or (None, why not). The call must read exactly this layer's weight and bias (or no
     bias when it has none), a computed input, and be made by a module above the layer, which
     the compressed layer's routing (``compressed/functional.py``) hooks."""
-    if type(module) is not nn.Linear:
+    if not isinstance(module, nn.Linear):  # (a subclass with its own forward is excluded before)
         return None, NEVER_CALLED
     w, b = f"{name}.weight", f"{name}.bias"
     nodes = {id(n): n for p in (w, b) for n in readers.get(p, [])}
@@ -110,7 +110,9 @@ def functional_linear(name: str, module: nn.Module, graph: Graph, readers: dict[
         return None, NEVER_CALLED
     node = next(iter(nodes.values()))
     if len(nodes) != 1 or node.op != "linear":
-        return None, f"its weight is read by {len(nodes)} torch call(s) and never by its own forward (not one F.linear)"
+        ops = ", ".join(sorted({n.op for n in nodes.values()}))
+        return None, (f"never called: its weight and bias are read by {len(nodes)} torch call(s) ({ops}), "
+                      "not by exactly one F.linear")
     x, wt, bt = _tensor_arg(node, 0, "input"), _tensor_arg(node, 1, "weight"), _tensor_arg(node, 2, "bias")
     bias_ok = (bt is None and (len(node.args) < 3 or node.args[2] is None) and node.kwargs.get("bias") is None
                if module.bias is None else bt is not None and bt.param_name == b)
@@ -119,6 +121,11 @@ def functional_linear(name: str, module: nn.Module, graph: Graph, readers: dict[
     owner = node.scope
     if not name.startswith(owner + ".") if owner else False:
         return None, f"its F.linear call is made by {owner!r}, which does not hold the layer"
+    cls = type(model.get_submodule(owner))
+    if cls.__module__.startswith("torch.nn."):
+        # nn.MultiheadAttention's out_proj: its eval fast path reads the weight in a fused
+        # kernel that never calls F.linear, so the routed layer would run in training only
+        return None, f"computed by F.linear inside torch's {cls.__name__}, whose fused paths skip that call"
     return node, ""
 
 
@@ -159,7 +166,7 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
         elif len(aliases.get(id(module), [])) > 1:
             info.excluded = f"registered under several names ({', '.join(aliases[id(module)])})"
         elif calls == 0 and not shared:
-            node, why = functional_linear(name, module, graph, readers)
+            node, why = functional_linear(name, module, model, readers)
             if node is None:
                 info.excluded = why
             else:

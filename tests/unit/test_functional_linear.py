@@ -187,7 +187,7 @@ class NoBias(nn.Module):
 
 
 @pytest.mark.parametrize("cls,why", [(OtherBias, "does not take exactly its weight and bias"),
-                                     (TwoCalls, "read by 2 torch call(s)"), (NoBias, None)])
+                                     (TwoCalls, "read by 2 torch call(s) (linear)"), (NoBias, None)])
 def test_discovery_takes_only_one_exact_call(cls, why):
     from openamct.graph.capture import capture_graph
     from openamct.graph.layers import find_layers
