@@ -111,21 +111,23 @@ def functional_linear(name: str, module: nn.Module, model: nn.Module, readers: d
     node = next(iter(nodes.values()))
     if len(nodes) != 1 or node.op != "linear":
         ops = ", ".join(sorted({n.op for n in nodes.values()}))
-        return None, (f"never called: its weight and bias are read by {len(nodes)} torch call(s) ({ops}), "
+        return None, (f"{NEVER_CALLED}; its weight and bias are read by {len(nodes)} torch call(s) ({ops}), "
                       "not by exactly one F.linear")
     x, wt, bt = _tensor_arg(node, 0, "input"), _tensor_arg(node, 1, "weight"), _tensor_arg(node, 2, "bias")
     bias_ok = (bt is None and (len(node.args) < 3 or node.args[2] is None) and node.kwargs.get("bias") is None
                if module.bias is None else bt is not None and bt.param_name == b)
     if x is None or x.param_name is not None or wt is None or wt.param_name != w or not bias_ok:
-        return None, "read by an F.linear call that does not take exactly its weight and bias with a computed input"
+        return None, (f"{NEVER_CALLED}; read by an F.linear call that does not take exactly its weight and bias "
+                      "with a computed input")
     owner = node.scope
     if not name.startswith(owner + ".") if owner else False:
-        return None, f"its F.linear call is made by {owner!r}, which does not hold the layer"
+        return None, f"{NEVER_CALLED}; its F.linear call is made by {owner!r}, which does not hold the layer"
     cls = type(model.get_submodule(owner))
     if cls.__module__.startswith("torch.nn."):
         # nn.MultiheadAttention's out_proj: its eval fast path reads the weight in a fused
         # kernel that never calls F.linear, so the routed layer would run in training only
-        return None, f"computed by F.linear inside torch's {cls.__name__}, whose fused paths skip that call"
+        return None, (f"{NEVER_CALLED}; computed by F.linear inside torch's {cls.__name__}, whose fused paths "
+                      "skip that call")
     return node, ""
 
 

@@ -106,7 +106,8 @@ class FilterPruning(Technique):
 
         apply_removal(ctx.model, state.groups)
         if state.groups:
-            guard_unseen_layers(ctx.model, [n for n, i in ctx.layers.items() if i.excluded == NEVER_CALLED])
+            guard_unseen_layers(ctx.model, [n for n, i in ctx.layers.items()
+                                            if i.excluded and i.excluded.startswith(NEVER_CALLED)])
 
     def decisions(self, record: ScaleOffsetRecord) -> list[tuple[str, bytes]]:
         # Which channels each group lost: same counts, other indices give the same shapes.
