@@ -7,12 +7,14 @@ rounds and repeated with fresh sessions; the ratios are paired within a repeat. 
 each file's cosine to the FP32 model on one input and the float ops left in ORT's optimised
 graph (which MatMul kernels ORT chose).
 
-Measured (ORT 1.32, AMD EPYC 2 cores shared with other jobs, load ~16, so single ratios swing;
-median of 5 paired repeats): fp32 233 ms, quantize_static 72, switch off 118, switch on 77:
-on/off 0.745 (0.66-1.35), on/quantize_static 1.105 (1.06-1.16), off/quantize_static 1.48. Cosine
-to FP32: quantize_static 0.99922, off 0.99971, on 0.99968. ORT's graph with the switch on: the 24
-attention products as MatMulIntegerToFloat (their outputs feed softmax and float projections), 24
-float Gemm left (torchvision's F.linear qkv / proj: functionally used weights stay float).
+Measured (ORT 1.32, AMD EPYC 2 cores shared with other jobs, load ~15, so single ratios swing;
+median of 5 paired repeats), since torchvision's F.linear qkv / proj are routed to their quantized
+layers (compressed/functional.py): fp32 325 ms, quantize_static 172, switch off 214, switch on
+150: on/off 0.702 (0.70-0.85), on/quantize_static 0.893 (0.86-1.01), off/quantize_static 1.26.
+Cosine to FP32: quantize_static 0.99922, off 0.99964, on 0.99961. ORT's graph with the switch on:
+no float MatMul or Gemm (49 QGemm: qkv, proj, the MLPs, the head; 12 QLinearMatMul; 15
+MatMulIntegerToFloat: q @ k^T and the patch merging reductions; 1 QLinearConv). Before that routing (the 24 qkv / proj left as float Gemm) the same
+benchmark measured on/quantize_static 1.105 and off/quantize_static 1.48.
 
 Usage: PYTHONPATH=. python benchmarks/attention_matmul_speed.py [--runs 20] [--repeat 3] [--calib 4]
        [--keep DIR]   (DIR keeps the four ONNX files; a second run with the same DIR only times them)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from openamct.checkpoint import load_into
+from openamct.compressed.functional import attach_routes
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.recurrent import RecurrentLayer
 from openamct.compressed.wrap import is_wrapped, wrap_layer
@@ -113,6 +114,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
             parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
     place_added_modules(work, layers)
+    _route_functional(work, a.layers, layers)
     keeper = RecordKeeper(record_file, applied, layers)
     keeper.header = header
     keeper.attach(work)
@@ -120,6 +122,19 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     decisions.attach(work, keeper.decisions)
     large.at_build(work, keeper, layers)  # the large-model hooks (openamct/large/__init__.py)
     return work
+
+
+def _route_functional(work: nn.Module, found: dict[str, LayerInfo], wrapped: dict[str, nn.Module]) -> None:
+    """Hook the owners of wrapped Linears computed by an ``F.linear`` call in the owner's code
+    (``LayerInfo.functional``) so that call runs the compressed layer (compressed/functional.py)."""
+    routes: dict[str, list[tuple[int, str]]] = {}
+    for name in wrapped:
+        info = found.get(name)
+        if info is not None and info.functional is not None:
+            owner, position = info.functional
+            routes.setdefault(owner, []).append((position, name[len(owner) + 1:] if owner else name))
+    for owner, pairs in routes.items():
+        attach_routes(work.get_submodule(owner), pairs)
 
 
 def deep_copy(model: nn.Module) -> nn.Module:

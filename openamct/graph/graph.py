@@ -36,13 +36,18 @@ class Graph:
         # tensor key -> the innermost module called once whose forward returned exactly that
         # tensor (capture fills it): where a hook can quantize a tensor no layer produces
         self.module_outputs: dict[int, str] = {}
+        # layer name -> the F.linear call that computes it for an owner that never calls the
+        # layer (graph.layers.functional_linear fills it): that layer's call
+        self.functional_calls: dict[str, Node] = {}
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
 
     def call_of(self, module_name: str) -> Node | None:
-        """The node of a module called exactly once, else None."""
+        """The node of a module called exactly once (or of its functional F.linear call), else None."""
         calls = self.module_calls.get(module_name, [])
+        if not calls and module_name in self.functional_calls:
+            return self.functional_calls[module_name]
         return calls[0] if len(calls) == 1 else None
 
     def is_output(self, tensor: TensorInfo) -> bool:

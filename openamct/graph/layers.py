@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from openamct.graph.graph import Graph
+from openamct.graph.node import Node, TensorArg
 from openamct.graph.parametrized import hook_reparametrized
 from openamct.layer_types import (
     LAYER_TYPES,
@@ -44,6 +45,9 @@ class LayerInfo:
     type: str
     module: nn.Module
     excluded: str | None = None  # why the layer must not be compressed
+    # (owner module, position among the F.linear calls of the owner's own code): a Linear the
+    # owner never calls but computes as ``F.linear(x, lin.weight, lin.bias)`` (functional_linear)
+    functional: tuple[str, int] | None = None
 
     @property
     def groups(self) -> int:
@@ -86,6 +90,47 @@ def module_aliases(model: nn.Module) -> dict[int, list[str]]:
 NEVER_CALLED = "never called in the forward with input_data (used functionally or unused)"
 
 
+def _tensor_arg(node: Node, pos: int, key: str):
+    """The TensorInfo passed as argument ``pos`` / keyword ``key``; None if absent or not a tensor."""
+    a = node.args[pos] if len(node.args) > pos else node.kwargs.get(key)
+    return node.inputs[a.pos] if isinstance(a, TensorArg) else None
+
+
+def functional_linear(name: str, module: nn.Module, model: nn.Module, readers: dict[str, list[Node]]
+                      ) -> tuple[Node | None, str]:
+    """The one ``F.linear(x, <name>.weight, <name>.bias)`` call of a Linear its owner never
+    calls, or (None, why not). The call must read exactly this layer's weight and bias (or no
+    bias when it has none), a computed input, and be made by a module above the layer, which
+    the compressed layer's routing (``compressed/functional.py``) hooks."""
+    if not isinstance(module, nn.Linear):  # (a subclass with its own forward is excluded before)
+        return None, NEVER_CALLED
+    w, b = f"{name}.weight", f"{name}.bias"
+    nodes = {id(n): n for p in (w, b) for n in readers.get(p, [])}
+    if not nodes:
+        return None, NEVER_CALLED
+    node = next(iter(nodes.values()))
+    if len(nodes) != 1 or node.op != "linear":
+        ops = ", ".join(sorted({n.op for n in nodes.values()}))
+        return None, (f"{NEVER_CALLED}; its weight and bias are read by {len(nodes)} torch call(s) ({ops}), "
+                      "not by exactly one F.linear")
+    x, wt, bt = _tensor_arg(node, 0, "input"), _tensor_arg(node, 1, "weight"), _tensor_arg(node, 2, "bias")
+    bias_ok = (bt is None and (len(node.args) < 3 or node.args[2] is None) and node.kwargs.get("bias") is None
+               if module.bias is None else bt is not None and bt.param_name == b)
+    if x is None or x.param_name is not None or wt is None or wt.param_name != w or not bias_ok:
+        return None, (f"{NEVER_CALLED}; read by an F.linear call that does not take exactly its weight and bias "
+                      "with a computed input")
+    owner = node.scope
+    if not name.startswith(owner + ".") if owner else False:
+        return None, f"{NEVER_CALLED}; its F.linear call is made by {owner!r}, which does not hold the layer"
+    cls = type(model.get_submodule(owner))
+    if cls.__module__.startswith("torch.nn."):
+        # nn.MultiheadAttention's out_proj: its eval fast path reads the weight in a fused
+        # kernel that never calls F.linear, so the routed layer would run in training only
+        return None, (f"{NEVER_CALLED}; computed by F.linear inside torch's {cls.__name__}, whose fused paths "
+                      "skip that call")
+    return node, ""
+
+
 def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
     """Every module of a supported type, in module order, with exclusions decided."""
     owners = parameter_owners(model)
@@ -94,7 +139,13 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
     # Parameters a torch function reads directly (``F.linear(h, self.l1.weight)``) besides their
     # module's own call: compressing the module would give that second use a folded or
     # placeholder weight in export, unlike the float weight the trained model reads.
-    functional = {i.param_name for n in graph.nodes if n.kind == "function" for i in n.inputs if i.param_name}
+    readers: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        if n.kind == "function":
+            for i in n.inputs:
+                if i.param_name and n not in readers.setdefault(i.param_name, []):
+                    readers[i.param_name].append(n)
+    functional = set(readers)
     layers: dict[str, LayerInfo] = {}
     for name, module in model.named_modules():
         row = layer_type_of(module)
@@ -116,6 +167,14 @@ def find_layers(model: nn.Module, graph: Graph) -> dict[str, LayerInfo]:
             info.excluded = own
         elif len(aliases.get(id(module), [])) > 1:
             info.excluded = f"registered under several names ({', '.join(aliases[id(module)])})"
+        elif calls == 0 and not shared:
+            node, why = functional_linear(name, module, model, readers)
+            if node is None:
+                info.excluded = why
+            else:
+                own = [n for n in graph.nodes if n.kind == "function" and n.op == "linear" and n.scope == node.scope]
+                info.functional = (node.scope, next(i for i, n in enumerate(own) if n is node))
+                graph.functional_calls[name] = node
         elif calls == 0:
             info.excluded = NEVER_CALLED
         elif calls > 1:

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MATMUL_OPS", "MatMulHooks", "MatMulQuant", "attach", "matmul_quants", "swap_matmul_quantizers"]
+__all__ = ["MATMUL_OPS", "MatMulHooks", "MatMulQuant", "ModeHooks", "attach", "hook_mode", "matmul_quants",
+           "module_of_caller", "swap_matmul_quantizers"]
 
 # The functions a matrix product of two tensors reaches __torch_function__ as, and the op name
 # graph capture records them under (``graph.capture._op_name``).
@@ -70,9 +71,10 @@ class MatMulQuant(nn.Module):
         return f"sites={list(self.sites)}"
 
 
-def _module_of_caller(depth: int = 64) -> nn.Module | None:
+def module_of_caller(depth: int = 64) -> nn.Module | None:
     """The innermost module whose code (its forward, or a plain function it calls) is running:
-    the ``self`` of the nearest calling frame that has a module as ``self``."""
+    the ``self`` of the nearest calling frame that has a module as ``self``. Call it directly
+    from a ``__torch_function__``: frame 2 is the code that called the torch function."""
     frame = sys._getframe(2)
     while frame is not None and depth > 0:
         if "self" in frame.f_code.co_varnames[:1]:
@@ -97,7 +99,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in MATMUL_FUNCTIONS and len(args) == 2 and all(isinstance(a, Tensor) for a in args) \
-                and _module_of_caller() is self.owner:
+                and module_of_caller() is self.owner:
             i = self.slot.get(self.count)
             self.count += 1
             if i is not None:  # (this mode is off while its own __torch_function__ runs)
@@ -105,16 +107,18 @@ class _Mode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class MatMulHooks:
-    """Forward pre-hook and hook of the owning module: enter / leave a ``_Mode`` over its
-    ``MatMulQuant`` child. One forward at a time per module (a nested call of the same module
-    would count its products into the outer forward's)."""
+class ModeHooks:
+    """Forward pre-hook and hook of an owning module: enter / leave ``make(module)``, a
+    ``TorchFunctionMode``, around its forward. One forward at a time per module (a nested call
+    of the same module would count its calls into the outer forward's). ``make`` must be a plain
+    function or a ``functools.partial`` of immutable arguments: a deep copy of the model shares it."""
 
-    def __init__(self) -> None:
-        self.active: list[_Mode] = []
+    def __init__(self, make: Callable[[nn.Module], TorchFunctionMode]) -> None:
+        self.make = make
+        self.active: list[TorchFunctionMode] = []
 
     def pre(self, module: nn.Module, args: tuple) -> None:
-        mode = _Mode(module, getattr(module, CHILD))
+        mode = self.make(module)
         mode.__enter__()
         self.active.append(mode)
 
@@ -123,8 +127,30 @@ class MatMulHooks:
             self.active.pop().__exit__(None, None, None)
         return None
 
+    def __deepcopy__(self, memo) -> ModeHooks:
+        return ModeHooks(self.make)  # a mode of this forward is never copied
+
+
+def _matmul_mode(module: nn.Module) -> _Mode:
+    return _Mode(module, getattr(module, CHILD))
+
+
+class MatMulHooks(ModeHooks):
+    """``ModeHooks`` entering a ``_Mode`` over the owner's ``MatMulQuant`` child."""
+
+    def __init__(self) -> None:
+        super().__init__(_matmul_mode)
+
     def __deepcopy__(self, memo) -> MatMulHooks:
-        return MatMulHooks()  # a mode of this forward is never copied
+        return MatMulHooks()
+
+
+def hook_mode(module: nn.Module, hooks: ModeHooks) -> None:
+    """Register ``hooks`` on ``module``. The post hook is prepended, so modes of several hook
+    pairs on one module leave in the reverse order they entered; it is always called, also when
+    the forward raises."""
+    module.register_forward_pre_hook(hooks.pre)
+    module.register_forward_hook(hooks.post, always_call=True, prepend=True)
 
 
 def attach(module: nn.Module, quant: MatMulQuant) -> None:
@@ -132,9 +158,7 @@ def attach(module: nn.Module, quant: MatMulQuant) -> None:
     if hasattr(module, CHILD):
         raise ValueError(f"{type(module).__name__} already has an attribute {CHILD!r}")
     module.add_module(CHILD, quant)
-    hooks = MatMulHooks()
-    module.register_forward_pre_hook(hooks.pre)
-    module.register_forward_hook(hooks.post, always_call=True)
+    hook_mode(module, MatMulHooks())
 
 
 def matmul_quants(model: nn.Module) -> list[tuple[str, MatMulQuant]]:

@@ -55,6 +55,9 @@ class FilterPruning(Technique):
             return f"filter prune: {info.type} is pruned only passively (as a consumer)"
         if info.depthwise:
             return "filter prune: depthwise convs follow their input, never pruned actively"
+        if getattr(info, "functional", None) is not None:
+            return ("filter prune: its owner computes it with F.linear on its weight (not prunable: the owner's "
+                    "code may depend on its width)")
         return None
 
     def layer_spec(self, cfg, info, api: str, notes: list[str]) -> FilterSpec | None:
@@ -103,7 +106,8 @@ class FilterPruning(Technique):
 
         apply_removal(ctx.model, state.groups)
         if state.groups:
-            guard_unseen_layers(ctx.model, [n for n, i in ctx.layers.items() if i.excluded == NEVER_CALLED])
+            guard_unseen_layers(ctx.model, [n for n, i in ctx.layers.items()
+                                            if i.excluded and i.excluded.startswith(NEVER_CALLED)])
 
     def decisions(self, record: ScaleOffsetRecord) -> list[tuple[str, bytes]]:
         # Which channels each group lost: same counts, other indices give the same shapes.

@@ -1,7 +1,7 @@
 """torchvision Swin (the zoo's small instance) with ``quantize_activation_matmul: true``: the whole
 lifecycle (lifecycle.run: create, SGD steps, exact restore, save, ORT and OpenVINO), and each
-window attention's q @ k^T and softmax @ v run as integer MatMuls in ORT's optimised deploy
-graph, no float MatMul left."""
+window attention's q @ k^T and softmax @ v, and its qkv / proj Linears (called as F.linear by
+torchvision), run as integer kernels in ORT's optimised deploy graph, no float MatMul or Gemm left."""
 
 import collections
 
@@ -28,7 +28,9 @@ def test_swin_attention_matmuls_in_int8(tmp_path):
     ort.InferenceSession(str(tmp_path / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
     ops = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node)
     blocks = 2  # depths [1, 1]
-    # torchvision calls F.linear with the qkv / proj weights, which openamct leaves float (Gemm):
-    # softmax @ v feeds a float op too, so both products output float (MatMulIntegerToFloat)
+    # the products: MatMulIntegerToFloat where a float op reads them, else QLinearMatMul
     assert ops["MatMulIntegerToFloat"] + ops["QLinearMatMul"] >= 2 * blocks, ops
     assert ops["MatMul"] + ops["FusedMatMul"] == 0, ops
+    # torchvision computes qkv / proj as F.linear(x, qkv.weight, qkv.bias): routed to their
+    # compressed layers (compressed/functional.py), they run as int8 kernels too, no float Gemm
+    assert ops["Gemm"] == 0, ops
