@@ -133,7 +133,9 @@ def test_the_plain_quantized_save_writes_what_the_streamed_one_does(tmp_path):
 def test_a_compiled_training_step_computes_what_the_eager_one_does(tmp_path):
     """``torch.compile`` of the returned model (eager backend: Dynamo's capture, graph breaks
     and guards, no code generation) runs a steady training step with the eager step's loss and
-    gradients. The graph breaks it takes are listed in docs/gpu.md."""
+    gradients. The graph breaks it takes are listed in docs/gpu.md. A clip's gradient is a sum
+    the eager CPU path forms in another order (``quant/ulq_act.py``: clips read as numbers there,
+    tensors when compiled), so it agrees to float32 rounding; every other gradient bit for bit."""
     m, x, _ = _calibrated(tmp_path, "transformer", INT8)
     eager = copy.deepcopy(m)
     compiled = torch.compile(m, backend="eager")
@@ -146,5 +148,9 @@ def test_a_compiled_training_step_computes_what_the_eager_one_does(tmp_path):
     assert torch.equal(losses[0], losses[1])
     for (name, a), b in zip(eager.named_parameters(), m.parameters()):
         assert (a.grad is None) == (b.grad is None), name
-        if a.grad is not None:
+        if a.grad is None:
+            continue
+        if name.endswith(("clip_max", "clip_min")):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+        else:
             assert torch.equal(a.grad, b.grad), name
