@@ -32,7 +32,7 @@ input; openamct writes that pool as GlobalAveragePool).
 ``--small``: reduced width and depth at 112x112, for a shared 2-core machine where the default
 sizes at 224x224 take minutes per model. Say which one a figure comes from.
 
-Usage: PYTHONPATH=. python benchmarks/zoo_speed.py [--only efficientnet,regnet] [--small]
+Usage: PYTHONPATH=. python benchmarks/zoo_speed.py [--only efficientnet,regnet] [--small] [--attention-matmul]
        [--runs 20] [--repeat 5] [--no-openvino] [--keep DIR]       (about 10 min here)
        PYTHONPATH=. python benchmarks/zoo_speed.py --torchvision [--only resnet50,vit_b_16] ...
 """
@@ -136,10 +136,13 @@ def build(name: str, small: bool) -> tuple[nn.Module, tuple[int, ...]]:
     return Logits(model).eval(), shape
 
 
-def openamct_files(model: nn.Module, calib: list[torch.Tensor], folder: str, tag: str) -> tuple[str, str]:
+def openamct_files(model: nn.Module, calib: list[torch.Tensor], folder: str, tag: str,
+                   matmul: bool = False) -> tuple[str, str]:
     cfg, rec = os.path.join(folder, f"{tag}.cfg"), os.path.join(folder, f"{tag}_record.txt")
     with open(cfg, "w") as f:
-        f.write(QUANT_CFG)
+        # quantize_static runs attention's activation x activation MatMuls in int8; openamct
+        # does with quantize_activation_matmul (off by default)
+        f.write(QUANT_CFG + ("quantize_activation_matmul: true\n" if matmul else ""))
     c = amct.create_compressed_retrain_model(model, calib[0], cfg, rec)
     c.train()
     with torch.no_grad():
@@ -183,14 +186,15 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def row(name: str, small: bool, runs: int, folder: str, openvino: bool, repeat: int) -> None:
+def row(name: str, small: bool, runs: int, folder: str, openvino: bool, repeat: int,
+        matmul: bool = False) -> None:
     model, shape = build(name, small)
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(shape, generator=g) for _ in range(CALIB)]
     fp32 = os.path.join(folder, f"{name}_fp32.onnx")
     export_fp32(model, calib[0], fp32)
     paths = {"fp32": fp32, "quantize_static": quantize_static(fp32, os.path.join(folder, f"{name}_qs.onnx"), calib)}
-    paths["openamct"], fake = openamct_files(model, calib, folder, name)
+    paths["openamct"], fake = openamct_files(model, calib, folder, name, matmul)
     x = torch.randn(shape, generator=g).numpy()
     # Repeats with fresh sessions: on a shared 2-core VM the same two files swing 0.98-1.10x from one
     # interleaved measurement to the next; the median over repeats is what is printed
@@ -239,6 +243,8 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="reduced width/depth at 112x112 (shared machines)")
     p.add_argument("--torchvision", action="store_true",
                    help=f"torchvision's {', '.join(TORCHVISION)} at their stock sizes instead of the HF models")
+    p.add_argument("--attention-matmul", action="store_true",
+                   help="openamct with quantize_activation_matmul: true, as quantize_static quantizes those MatMuls")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--repeat", type=int, default=5, help="interleaved measurements, each with fresh sessions; medians")
     p.add_argument("--keep", default=None, help="folder to keep the ONNX files in")
@@ -258,7 +264,7 @@ def main() -> None:
         folder = args.keep or tmp
         os.makedirs(folder, exist_ok=True)
         for name in args.only.split(","):
-            row(name, args.small, args.runs, folder, not args.no_openvino, args.repeat)
+            row(name, args.small, args.runs, folder, not args.no_openvino, args.repeat, args.attention_matmul)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from openamct.export.int8_kernels import u8s8_saturates
+
 
 @contextmanager
 def one_thread() -> Iterator[None]:
@@ -40,7 +42,7 @@ def cases(configs: dict[str, list[str]], known: dict[tuple[str, str], str]) -> l
 WELL_CONDITIONED = 0.9999
 
 
-def check(r: dict, config: str, fidelity: tuple[float, float] = (0.999, 0.99)) -> None:
+def check(r: dict, config: str, fidelity: tuple[float, float] = (0.999, 0.99), deploy_floor: float = 0.99) -> None:
     """One lifecycle.run result: something quantized (and 2:4-sparse), filter pruning removes
     something, OpenVINO runs the deploy file and agrees with ORT's run of it where that reproduces
     fake-quant. Fidelity over the 5 batches: on a well-conditioned run (``WELL_CONDITIONED``) the
@@ -48,7 +50,9 @@ def check(r: dict, config: str, fidelity: tuple[float, float] = (0.999, 0.99)) -
     still moves that batch, GoogLeNet 2:4 read 0.9987 on one) and the deploy file fake-quant
     (median >= 0.99); on a chaotic one, where a quantizer flip of one element carries to the
     output, the fake-vs-torch bounds are ``fidelity`` (per family where needed; test_zoo.py says
-    why) and the deploy figure is reported, not bounded."""
+    why) and the deploy figure is reported, not bounded. ``deploy_floor``: lower for a run with a
+    known deploy-only divergence (the zoo's DEPLOY_GAPS: measured figure less 0.02, so a
+    regression still fails), and not asserted where ORT's uint8 x int8 kernels saturate."""
     assert r["quantized"] > 0, r
     if config.startswith("2:4"):
         assert r["sparse"] > 0, r
@@ -56,8 +60,8 @@ def check(r: dict, config: str, fidelity: tuple[float, float] = (0.999, 0.99)) -
         assert r["pruned"] > 0 and r["removed_share"] > 0, r
     median, worst = (0.999, 0.99) if r["self_vs_noise"] >= WELL_CONDITIONED else fidelity
     assert r["fake_vs_torch"] >= median and r["fake_vs_torch_min"] >= worst, r
-    if r["self_vs_noise"] >= WELL_CONDITIONED:
-        assert r["deploy_vs_fake"] >= 0.99, r
+    if r["self_vs_noise"] >= WELL_CONDITIONED and not u8s8_saturates():
+        assert r["deploy_vs_fake"] >= deploy_floor, r
     assert np.isfinite(r["openvino_vs_fake"]), r
     if r["deploy_vs_fake"] >= 0.999:
         assert r["openvino_vs_fake"] >= 0.995, r
