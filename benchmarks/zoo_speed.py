@@ -29,6 +29,13 @@ ties. deploy vs fake-quant cosine (random weights): 0.99973, 0.99671, 0.99983, 0
 its FP32 (HF EfficientNet's own FP32 export does not load there: its pooler's kernel exceeds its
 input; openamct writes that pool as GlobalAveragePool).
 
+torchvision (``--torchvision --attention-matmul --no-openvino --runs 10 --repeat 5``; Intel Xeon
+with AMX, 2 cores, a quiet machine, ORT 1.32), openamct/quantize_static latency, median of 5
+paired ratios: ResNet-50 0.972, MobileNetV3-Large 0.983, GoogLeNet 0.966, Inception-v3 (299)
+1.019, DenseNet-121 0.935, ShuffleNetV2 0.891, EfficientNet-B0 0.978, ConvNeXt-T 0.713, Swin-T
+0.854, ViT-B/16 1.274 (its attention is nn.MultiheadAttention's fused path, which stays float).
+No family's optimised graphs tie in op counts.
+
 ``--small``: reduced width and depth at 112x112, for a shared 2-core machine where the default
 sizes at 224x224 take minutes per model. Say which one a figure comes from.
 
