@@ -34,28 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import openamct as amct  # noqa: E402
-from benchmarks.deploy_speed import QUANT_CFG, export_fp32, quantize_static  # noqa: E402
-from benchmarks.zoo_speed import cosine, float_ops  # noqa: E402
+from benchmarks.deploy_speed import export_fp32, quantize_static  # noqa: E402
+from benchmarks.zoo_speed import cosine, float_ops, openamct_files  # noqa: E402
 from openamct.export.ort_session import latency_ms, session  # noqa: E402
 from tests.zoo.torchvision_ops import vision_modules  # noqa: E402
-
-SWITCH = "quantize_activation_matmul: true\n"
-
-
-def deploy(model, calib: list[torch.Tensor], cfg_text: str, folder: str, tag: str) -> str:
-    cfg, rec = os.path.join(folder, f"{tag}.cfg"), os.path.join(folder, f"{tag}_record.txt")
-    with open(cfg, "w") as f:
-        f.write(cfg_text)
-    c = amct.create_compressed_retrain_model(model, calib[0], cfg, rec)
-    c.train()  # the clips initialise on these batches (batch_num 1: the first)
-    with torch.no_grad():
-        for xb in calib:
-            c(xb)
-    c.eval()
-    prefix = os.path.join(folder, tag)
-    amct.save_compressed_retrain_model(c, rec, prefix, calib[0], input_names=["x"])
-    return prefix + "_deploy_model.onnx"
 
 
 def main() -> None:
@@ -84,8 +66,8 @@ def main() -> None:
         if not all(os.path.exists(v) for v in paths.values()):
             export_fp32(model, calib[0], paths["fp32"])
             quantize_static(paths["fp32"], paths["quantize_static"], calib)
-            deploy(model, calib, QUANT_CFG, tmp, "off")
-            deploy(model, calib, QUANT_CFG + SWITCH, tmp, "on")
+            openamct_files(model, calib, tmp, "off")
+            openamct_files(model, calib, tmp, "on", matmul=True)
         reps = []
         for _ in range(args.repeat):
             sessions = {k: session(v) for k, v in paths.items()}

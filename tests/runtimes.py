@@ -1,4 +1,5 @@
-"""OpenVINO's CPU plugin as the tests and benchmarks compile it."""
+"""The runtimes as the tests and benchmarks use them: OpenVINO's CPU plugin, and the graph ONNX
+Runtime optimises a file into (what its kernels run)."""
 
 
 def openvino_compile(path: str, threads: int, **config):
@@ -8,3 +9,18 @@ def openvino_compile(path: str, threads: int, **config):
 
     return ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": threads,
                                                  "INFERENCE_PRECISION_HINT": "f32", **config})
+
+
+def ort_optimized_ops(path: str, folder) -> list[str]:
+    """The op types of the graph ONNX Runtime's CPU provider optimises ``path`` into (written to
+    ``folder``/opt.onnx and read back): which kernels it runs, int8 or float."""
+    import os
+
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = os.path.join(str(folder), "opt.onnx")
+    so.log_severity_level = 3  # the "hardware specific optimizations" warning: we only read the graph
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]

@@ -5,7 +5,6 @@ and the fake-quant model computes the same grid values."""
 import collections
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -17,6 +16,7 @@ from openamct.record.file_io import read_record, write_record
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
 from tests.numerics import assert_same_quantized_function
+from tests.runtimes import ort_optimized_ops
 from tests.se_model import SENet
 from tests.training import checkpoint_and_save
 
@@ -76,11 +76,7 @@ def test_structure_follows_the_readers(saved):
 
 def test_deploy_runs_them_in_int8(saved):
     d = saved["dir"]
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(d / "opt.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(d / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
-    ops = collections.Counter(n.op_type for n in onnx.load(str(d / "opt.onnx")).graph.node)
+    ops = collections.Counter(ort_optimized_ops(d / "m_deploy_model.onnx", d))
     assert ops["QLinearSigmoid"] == 13 and ops["QLinearMul"] == 13, ops
     assert ops["QLinearGlobalAveragePool"] >= 3, ops  # the SE squeezes read a quantized tensor
     # the TF-style zero pads went into the depthwise convs' own padding (QLinearConv pads with 0)

@@ -18,6 +18,7 @@ from openamct.record.file_io import read_record
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
 from tests.numerics import assert_same_quantized_function
+from tests.runtimes import ort_optimized_ops
 from tests.training import checkpoint_and_save
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
@@ -123,16 +124,10 @@ def test_deploy_runs_concat_and_pool_on_one_grid_and_matches_fake_quant(saved, x
         qs = [u for u in g.node if n.output[0] in u.input]
         assert qs and all(u.op_type == "QuantizeLinear" for u in qs), op
         assert len({qparams(p) for p in dqs + qs}) == 1, op  # one grid: ORT copies / pools bytes
-    ops = ort_ops(str(d / "m_deploy_model.onnx"), d)
+    ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
     assert ops.count("QLinearConcat") == 1 and "Concat" not in ops and "MaxPool" not in ops, ops
 
 
-def ort_ops(path, d) -> list[str]:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(d / "opt.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
 
 
 def test_restore_replays_the_concat_hooks(saved, x):

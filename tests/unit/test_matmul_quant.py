@@ -5,7 +5,6 @@ as integer kernels and the deploy model computes what the fake-quant model does.
 import collections
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -17,6 +16,7 @@ from openamct.record.file_io import read_record, write_record
 from openamct.techniques.base import selective_algorithm
 from openamct.techniques.matmul_quant import ALGORITHM
 from tests.numerics import assert_same_quantized_function
+from tests.runtimes import ort_optimized_ops
 from tests.training import checkpoint_and_save
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
@@ -104,11 +104,7 @@ def test_both_products_get_trained_quantizers(saved):
 
 def test_deploy_runs_both_in_int8(saved):
     d = saved["dir"]
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(d / "opt.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(d / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
-    ops = collections.Counter(n.op_type for n in onnx.load(str(d / "opt.onnx")).graph.node)
+    ops = collections.Counter(ort_optimized_ops(d / "m_deploy_model.onnx", d))
     # q @ k^T feeds the softmax (float): MatMulIntegerToFloat; softmax @ v feeds only the
     # projection's input quantizer (through Transpose/Reshape): QLinearMatMul
     assert ops["MatMulIntegerToFloat"] == 1 and ops["QLinearMatMul"] == 1, ops

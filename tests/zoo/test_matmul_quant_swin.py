@@ -5,10 +5,9 @@ torchvision), run as integer kernels in ORT's optimised deploy graph, no float M
 
 import collections
 
-import onnx
-import onnxruntime as ort
 import pytest
 
+from tests.runtimes import ort_optimized_ops
 from tests.zoo.lifecycle import CONFIGS, run
 from tests.zoo.vision import check, one_thread
 
@@ -22,11 +21,7 @@ def test_swin_attention_matmuls_in_int8(tmp_path):
         r = run(lambda: build("Swin"), CONFIGS["int8"] + "quantize_activation_matmul: true\n", str(tmp_path))
     check(r, "int8")
     assert r["deploy_vs_fake"] >= 0.99, r
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(tmp_path / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
-    ops = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node)
+    ops = collections.Counter(ort_optimized_ops(tmp_path / "m_deploy_model.onnx", tmp_path))
     blocks = 2  # depths [1, 1]
     # the products: MatMulIntegerToFloat where a float op reads them, else QLinearMatMul
     assert ops["MatMulIntegerToFloat"] + ops["QLinearMatMul"] >= 2 * blocks, ops
