@@ -12,14 +12,11 @@ from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
 from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
-from openamct.graph.capture import capture_graph
-from openamct.graph.layers import find_layers
-from openamct.prune.dependency import analyse
-from openamct.prune.filter import apply_removal, score_and_select
+from openamct.prune.filter import apply_removal
 from openamct.prune.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from tests.pruning import select_filters
 
 # -- models -------------------------------------------------------------------------------------
 
@@ -86,13 +83,7 @@ class BlockedNet(nn.Module):
 
 
 def prune(model, x, ratio=0.5):
-    graph = capture_graph(model, x)
-    layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, {"filter_prune": FilterSpec(ratio, False)})
-                 for n, i in layers.items() if i.type in ("Conv2d", "Linear") and not i.depthwise})
-    groups, blocked = analyse(graph, layers, plan, model)
-    score_and_select(model, groups)
-    return groups, blocked
+    return select_filters(model, x, ratio)
 
 
 def owners(group):

@@ -10,13 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
-from openamct.graph.capture import capture_graph
-from openamct.graph.layers import find_layers
-from openamct.prune.dependency import analyse
-from openamct.prune.filter import apply_removal, score_and_select
+from openamct.prune.filter import apply_removal
 from openamct.prune.filter_record import groups_from_records, groups_to_records
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from tests.pruning import select_filters
 
 TOKENS = torch.randn(2, 5, 8)
 
@@ -52,12 +49,7 @@ class Net(nn.Module):
 
 
 def prune(model, ratio=0.5):
-    graph = capture_graph(model, TOKENS)
-    layers = find_layers(model, graph)
-    plan = Plan({n: LayerPlan(n, i.type, {"filter_prune": FilterSpec(ratio, False)}) for n, i in layers.items()})
-    groups, blocked = analyse(graph, layers, plan, model)
-    score_and_select(model, groups)
-    return groups, blocked
+    return select_filters(model, TOKENS, ratio, types=None)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "matmul"])
