@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/openamct demo --out demo-out
 
+# The zoo's runs are single-threaded and independent: two pytest-xdist workers, one per core.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/zoo $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 tests/zoo $(PYTEST_ARGS)
 
 # Local loop: everything but the end-to-end tests marked slow.
 test-fast: $(STAMP)
