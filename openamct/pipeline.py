@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from openamct.checkpoint import load_into
+from openamct.compressed.attention import substitute_attention
 from openamct.compressed.functional import attach_routes
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.recurrent import RecurrentLayer
@@ -56,9 +57,12 @@ class Analysis:
 
 def analyse(model: nn.Module, input_data: Any, config: str | None, api: str,
             config_arg: str = "config_defination", techniques: Sequence[Technique] = TECHNIQUES) -> Analysis:
-    """Capture + plan on ``model`` itself (callers pass a copy when they will edit it)."""
+    """Capture + plan on ``model`` itself (callers pass a copy: it is edited even when they
+    will not edit it, since nn.MultiheadAttention is replaced by an openamct module whose
+    projections are layers, compressed/attention.py, before the capture)."""
     techniques = ordered(techniques)
     evaluate_parametrizations(model)
+    substitute_attention(model)
     graph = capture_graph(model, input_data)
     layers = find_layers(model, graph)
     modules = {n: type(m).__name__ for n, m in model.named_modules()}
