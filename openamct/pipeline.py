@@ -217,8 +217,9 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
 
     made = _make_folders(os.path.dirname(os.path.abspath(fake_path)))
     try:
-        # nn.MultiheadAttention's fused no-grad path (aten::_native_multi_head_attention) has no
-        # ONNX export; the unfused path computes the same function.
+        # an nn.MultiheadAttention left as it is (compressed/attention.py): its fused no-grad path
+        # (aten::_native_multi_head_attention) has no ONNX export; the unfused path computes the
+        # same function.
         with _mha_fastpath(False):
             export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
                         techniques=keeper.techniques, streamed_save=large.streamed_save(model))

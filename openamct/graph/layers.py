@@ -124,8 +124,9 @@ def functional_linear(name: str, module: nn.Module, model: nn.Module, readers: d
         return None, f"{NEVER_CALLED}; its F.linear call is made by {owner!r}, which does not hold the layer"
     cls = type(model.get_submodule(owner))
     if cls.__module__.startswith("torch.nn."):
-        # nn.MultiheadAttention's out_proj: its eval fast path reads the weight in a fused
-        # kernel that never calls F.linear, so the routed layer would run in training only
+        # nn.MultiheadAttention's out_proj (one the pipeline left as it is, compressed/attention.py):
+        # its eval fast path reads the weight in a fused kernel that never calls F.linear, so the
+        # routed layer would run in training only
         return None, (f"{NEVER_CALLED}; computed by F.linear inside torch's {cls.__name__}, whose fused paths "
                       "skip that call")
     return node, ""

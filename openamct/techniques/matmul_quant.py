@@ -13,8 +13,10 @@ switching it on changes every transformer user's model.
 Which products: function calls ``matmul`` / ``bmm`` / ``@`` (torchvision Swin, HF BERT's eager
 attention, most hand-written attention) whose two inputs are tensors the model computes (not
 parameters or buffers: a product with a weight is a layer's job), inside a module's forward
-(the innermost module the capture saw calling it, its owner). Not fused attention
-(``scaled_dot_product_attention``, ``nn.MultiheadAttention``'s fast path): no MatMul to reach.
+(the innermost module the capture saw calling it, its owner); ``nn.MultiheadAttention`` is
+replaced before capture by a module whose forward makes both products such calls
+(``compressed/attention.py``). Not fused attention (``scaled_dot_product_attention``, an
+``nn.MultiheadAttention`` left as it is): no MatMul to reach.
 A product's first input made by a softmax (through dropout) lies in [0, 1]: its clip_min is
 pinned at 0 (``fixed_min``), so all 256 levels cover [0, clip_max].
 
