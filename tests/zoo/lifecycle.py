@@ -4,6 +4,7 @@ both files. Returns the figures the zoo table reports."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnxruntime as ort
 import torch
 
 import openamct as amct
+from openamct.compressed.attention import substitute_attention
 from openamct.compressed.layer import CompressedLayer
 from tests.runtimes import openvino_compile
 
@@ -96,7 +98,10 @@ def self_vs_noise(model, batches: list[dict], rel: float = 1e-6) -> float:
 
 
 def weight_sizes(model) -> dict[str, int]:
-    """Element count of every 2-D-or-more module weight, by module path (taken before create)."""
+    """Element count of every 2-D-or-more module weight, by module path (taken before create) in
+    the compressed model's tree: nn.MultiheadAttention replaced as create does (its in_proj)."""
+    model = copy.deepcopy(model)
+    substitute_attention(model)
     return {n: m.weight.numel() for n, m in model.named_modules()
             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2}
 
