@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from openamct.checkpoint import load_into
-from openamct.compressed.attention import substitute_attention
+from openamct.compressed.attention import split_cross_attention, substitute_attention
 from openamct.compressed.functional import attach_routes
 from openamct.compressed.layer import CompressedLayer
 from openamct.compressed.recurrent import RecurrentLayer
@@ -64,6 +64,8 @@ def analyse(model: nn.Module, input_data: Any, config: str | None, api: str,
     evaluate_parametrizations(model)
     substitute_attention(model)
     graph = capture_graph(model, input_data)
+    if split_cross_attention(model, graph):  # the cross-attention layout changes the module tree
+        graph = capture_graph(model, input_data)
     layers = find_layers(model, graph)
     modules = {n: type(m).__name__ for n, m in model.named_modules()}
     plan = load_plan(config, layers, api, modules, config_arg, techniques=techniques)

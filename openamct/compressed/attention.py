@@ -17,9 +17,11 @@ what the unfused ``F.multi_head_attention_forward`` does for the arguments below
 path, so training, eval and export run the same code:
 
 - self-attention (``query is key is value``): one call of ``in_proj`` (a Linear E -> 3E), so the
-  in-projection is an ordinary layer; cross-attention (shared embedding size) computes the
-  projections with ``F.linear`` on slices of ``in_proj.weight``, which leaves ``in_proj`` float
-  (graph discovery excludes a Linear whose weight is read outside its own call);
+  in-projection is one ordinary layer. Cross-attention (shared embedding size): which one a
+  module computes shows only when it runs, so the first capture finds each module whose packed
+  ``in_proj`` was not called (its forward computed the projections with ``F.linear`` on slices
+  of the weight), ``split_cross_attention`` gives it ``q_proj`` / ``k_proj`` / ``v_proj`` (copies
+  of the thirds) and the pipeline captures again: each is then a layer of its own;
 - ``batch_first`` either way, unbatched inputs, ``attn_mask`` (2-D or 3-D, bool or float),
   ``key_padding_mask``, ``need_weights`` / ``average_attn_weights``, ``is_causal`` (a hint that
   ``attn_mask`` is causal: the mask is applied as given), dropout on the attention weights;
@@ -27,7 +29,8 @@ path, so training, eval and export run the same code:
   ``techniques/matmul_quant.py`` finds under ``quantize_activation_matmul``.
 
 Left as they are (float), one WARNING per reason: ``add_bias_kv``, ``add_zero_attn``,
-``kdim``/``vdim`` other than ``embed_dim``, a subclass (its own forward), the model itself.
+``kdim``/``vdim`` other than ``embed_dim``, a subclass (its own forward), one with forward hooks,
+the model itself.
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from openamct.graph.graph import Graph
 from openamct.log_summary import warn_grouped
 
-__all__ = ["UnfusedMultiheadAttention", "substitute_attention"]
+__all__ = ["UnfusedMultiheadAttention", "split_cross_attention", "substitute_attention"]
 
 logger = logging.getLogger(__name__)
+
+SPLIT = ("q_proj", "k_proj", "v_proj")  # the children of the cross-attention layout
 
 
 def _float_mask(mask: Tensor | None, name: str, dtype: torch.dtype) -> Tensor | None:
@@ -58,8 +64,8 @@ def _float_mask(mask: Tensor | None, name: str, dtype: torch.dtype) -> Tensor | 
 
 
 class UnfusedMultiheadAttention(nn.Module):
-    """The function of ``nn.MultiheadAttention`` (module docstring) with ``in_proj`` and
-    ``out_proj`` Linear children. Built by ``from_torch``; the attributes torch's Transformer
+    """The function of ``nn.MultiheadAttention`` (module docstring) with ``in_proj`` (or, after
+    ``split_in_proj``, ``q_proj`` / ``k_proj`` / ``v_proj``) and ``out_proj`` Linear children. Built by ``from_torch``; the attributes torch's Transformer
     layers read (``batch_first``, ``num_heads``, ``in_proj_weight``, ``in_proj_bias``) are kept,
     and ``_qkv_same_embed_dim`` is False so those layers never take their fused kernels, which
     would read the float weights past the compressed layers."""
@@ -89,17 +95,42 @@ class UnfusedMultiheadAttention(nn.Module):
         new.train(mha.training)
         return new
 
+    @torch.no_grad()
+    def split_in_proj(self) -> None:
+        """Replace the packed ``in_proj`` by ``q_proj``, ``k_proj``, ``v_proj`` (Linears E -> E
+        holding copies of its thirds, requires_grad kept): the layout for cross-attention, where
+        each projection reads another input and so is its own layer call."""
+        w, b = self.in_proj.weight, self.in_proj.bias
+        for i, name in enumerate(SPLIT):
+            lin = nn.Linear(self.embed_dim, self.embed_dim, bias=b is not None, device="meta")
+            lin.weight = nn.Parameter(w[i * self.embed_dim:(i + 1) * self.embed_dim].clone(), w.requires_grad)
+            if b is not None:
+                lin.bias = nn.Parameter(b[i * self.embed_dim:(i + 1) * self.embed_dim].clone(), b.requires_grad)
+            setattr(self, name, lin)
+        del self.in_proj
+
+    @property
+    def split(self) -> bool:
+        return "in_proj" not in self._modules
+
     @property
     def in_proj_weight(self) -> Tensor:
-        return self.in_proj.weight
+        return torch.cat([getattr(self, n).weight for n in SPLIT]) if self.split else self.in_proj.weight
 
     @property
     def in_proj_bias(self) -> Tensor | None:
-        return self.in_proj.bias
+        if not self.split:
+            return self.in_proj.bias
+        return None if self.q_proj.bias is None else torch.cat([getattr(self, n).bias for n in SPLIT])
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(N, L, E) inputs -> q, k, v as (N, H, L, head_dim)."""
+        """(N, L, E) inputs -> q, k, v as (N, H, L, head_dim). The heads are split by ``unflatten``
+        with the head count written out, which filter pruning's head analysis refuses
+        (``prune/heads.py``): ``embed_dim`` and ``num_heads`` here would not follow pruned heads."""
         h, d = self.num_heads, self.head_dim
+        if self.split:
+            return tuple(getattr(self, n)(x).unflatten(-1, (h, d)).transpose(1, 2)
+                         for n, x in zip(SPLIT, (query, key, value)))
         if query is key and key is value:
             qkv = self.in_proj(query).unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4)
             return qkv[0], qkv[1], qkv[2]
@@ -209,3 +240,17 @@ def substitute_attention(model: nn.Module) -> list[str]:
             m.use_nested_tensor = False
     warn_grouped(logger, "nn.MultiheadAttention left as it is (float projections)", left)
     return replaced
+
+
+def split_cross_attention(model: nn.Module, graph: Graph) -> list[str]:
+    """After a capture: give each packed ``UnfusedMultiheadAttention`` that the capture saw
+    computing cross-attention (its ``in_proj`` never called, its weight read in its own code)
+    the ``q_proj`` / ``k_proj`` / ``v_proj`` layout; the paths changed (capture again if any)."""
+    done = []
+    for name, m in list(model.named_modules()):
+        if (isinstance(m, UnfusedMultiheadAttention) and not m.split
+                and not graph.module_calls.get(f"{name}.in_proj")
+                and any(n.scope == name and n.kind == "function" for n in graph.nodes)):
+            m.split_in_proj()
+            done.append(name)
+    return done

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import logging
 
 import numpy as np
@@ -18,6 +19,7 @@ import openamct as amct
 from openamct.compressed.attention import UnfusedMultiheadAttention, substitute_attention
 from openamct.compressed.layer import CompressedLayer
 from tests.runtimes import ort_optimized_ops
+from tests.small import write_cfg
 
 E, H = 16, 4
 
@@ -59,18 +61,21 @@ def _cases(batch_first: bool):
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_it_computes_what_torch_computes_in_train_and_eval(batch_first):
     for bias in (True, False):
-        mha, ours = _pair(batch_first, bias)
+        mha, packed = _pair(batch_first, bias)
+        split = copy.deepcopy(packed)
+        split.split_in_proj()  # the cross-attention layout
+        assert torch.equal(split.in_proj_weight, packed.in_proj_weight)
         for train in (True, False):
-            mha.train(train), ours.train(train)
             for grad in (True, False):  # eval without grad is torch's fused fast path
-                with torch.set_grad_enabled(grad):
-                    for args, kwargs in _cases(batch_first):
+                for ours, (args, kwargs) in itertools.product((packed, split), _cases(batch_first)):
+                    mha.train(train), ours.train(train)
+                    with torch.set_grad_enabled(grad):
                         want, got = mha(*args, **kwargs), ours(*args, **kwargs)
-                        assert got[0].shape == want[0].shape
-                        assert torch.allclose(got[0], want[0], atol=1e-4), (kwargs.keys(), (got[0] - want[0]).abs().max())
-                        assert (got[1] is None) == (want[1] is None)
-                        if want[1] is not None:
-                            assert torch.allclose(got[1], want[1], atol=1e-5)
+                    assert got[0].shape == want[0].shape
+                    assert torch.allclose(got[0], want[0], atol=1e-4), (kwargs.keys(), (got[0] - want[0]).abs().max())
+                    assert (got[1] is None) == (want[1] is None)
+                    if want[1] is not None:
+                        assert torch.allclose(got[1], want[1], atol=1e-5)
     # dropout on the attention weights: the same in eval, random (and scaled) in training
     mha, ours = _pair(batch_first, dropout=0.5)
     x = _cases(batch_first)[0][0][0]
@@ -181,3 +186,35 @@ def test_vit_like_model_quantizes_its_attention_through_the_lifecycle(tmp_path):
     assert np.allclose(outs[0], want.numpy(), atol=1e-3)
     cos = (outs[0] * outs[1]).sum() / np.linalg.norm(outs[0]) / np.linalg.norm(outs[1])
     assert cos > 0.999, cos
+
+
+class Decoder(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.inp, self.mem = nn.Linear(8, d), nn.Linear(8, d)
+        self.dec = nn.TransformerDecoderLayer(d, 2, 32, dropout=0.0)  # sequence first
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x, memory):
+        t, m = self.inp(x).transpose(0, 1), self.mem(memory).transpose(0, 1)
+        causal = nn.Transformer.generate_square_subsequent_mask(t.shape[0])
+        return self.head(self.dec(t, m, tgt_mask=causal, tgt_is_causal=True)).mean(0)
+
+
+def test_cross_attention_gets_a_layer_per_projection(tmp_path, caplog):
+    torch.manual_seed(0)
+    x = (torch.randn(2, 5, 8), torch.randn(2, 7, 8))
+    cfg, rec = write_cfg(tmp_path), str(tmp_path / "r.txt")
+    with caplog.at_level(logging.WARNING):
+        m = amct.create_compressed_retrain_model(Decoder().eval(), x, cfg, rec)
+    assert not [r for r in caplog.records if "uncompressed" in r.getMessage()]
+    for name in ("self_attn.in_proj", "self_attn.out_proj", "multihead_attn.q_proj", "multihead_attn.k_proj",
+                 "multihead_attn.v_proj", "multihead_attn.out_proj"):
+        assert isinstance(m.get_submodule(f"dec.{name}"), CompressedLayer), name
+    m.train()
+    m(*x)
+    m.eval()
+    torch.save(m.state_dict(), tmp_path / "c.pth")
+    r = amct.restore_compressed_retrain_model(Decoder().eval(), x, cfg, rec, str(tmp_path / "c.pth")).eval()
+    with torch.no_grad():
+        assert torch.equal(r(*x), m(*x))
