@@ -51,7 +51,14 @@ from openamct.quant.residual import OutputQuantHook
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import AttrType, PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, ExportParts, Technique, selective_algorithm
-from openamct.techniques.concat_sites import ConcatSite, concat_sites, hook_sites, hooked_tensors
+from openamct.techniques.concat_sites import (
+    ConcatSite,
+    concat_sites,
+    hook_sites,
+    hooked_tensors,
+    int8_pool,
+    record_sites,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +185,12 @@ def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     return count
 
 
-def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[str]) -> list[str] | None:
-    """The quantized layers reading ``t`` when only they and residual Adds do (through zero
-    padding and reshapes), the Adds not writing into ``t`` and adding a quantized conv's output
-    (``convs``, through its BN); else None. Not when the Add's other term is a Linear's: its
+def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[str], model: nn.Module) -> list[str] | None:
+    """The quantized layers reading ``t`` when only they and residual Adds or average pools ORT
+    runs in int8 do (through zero padding and reshapes), the Adds not writing into ``t`` and
+    adding a quantized conv's output (``convs``, through its BN); else None. Pools count only
+    where no concat returns ``t`` (concat_sites.py quantizes those): Inception-v3's stem max
+    pool, which its first block's convs and average pool read. Not when the Add's other term is a Linear's: its
     QGemm outputs float, so the Add stays float in deploy and quantizing ``t`` for it would only
     clip the residual stream (all-MiniLM-L6-v2: cosine to FP32 0.995 -> 0.991)."""
     layers, adds = [], 0
@@ -201,6 +210,8 @@ def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set
             elif _passes(n) and not n.op.lower().startswith("dropout"):  # dropout rescales in training
                 if not walk(n.outputs[0]):
                     return False
+            elif int8_pool(model, n) and len(n.inputs) == 1 and not (t.producer is not None and t.producer.op == "cat"):
+                adds += 1
             else:
                 return False
         return True
@@ -208,7 +219,7 @@ def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set
     return layers if walk(t) and layers and adds else None
 
 
-def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: set[str]) -> dict[str, list[str]]:
+def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: set[str], model: nn.Module) -> dict[str, list[str]]:
     # layers (through their folded BN) and wrapped activations quantize their outputs themselves
     own = {id(t) for name in planned if (t := _layer_output(graph, name)) is not None}
     sites = {}
@@ -219,7 +230,7 @@ def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: s
             if id(t) in own:
                 continue
             module = graph.module_outputs.get(t.key)
-            layers = _residual_readers(graph, t, planned, convs) if module is not None else None
+            layers = _residual_readers(graph, t, planned, convs, model) if module is not None else None
             if layers and module not in sites:
                 sites[module] = layers
     return sites
@@ -283,7 +294,7 @@ class ActivationQuant(Technique):
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
-        residual = _residual_sites(ctx.graph, planned, set(ops), _convs(self.planned(ctx.plan)))
+        residual = _residual_sites(ctx.graph, planned, set(ops), _convs(self.planned(ctx.plan)), ctx.model)
         concats = concat_sites(ctx.graph, planned, planned | set(ops) | set(residual), ctx.model)
         hooked = hooked_tensors(ctx.graph, concats)  # a concat's input hook quantizes these
         outputs = []
@@ -343,7 +354,7 @@ class ActivationQuant(Technique):
             for n in layers:
                 ctx.parts_of(n).input_on_grid = True
             state.hooked[name] = aq
-        state.concat_hooked = hook_sites(ctx.model, state.concats, ctx.parts_of)
+        state.concat_hooked = hook_sites(ctx.model, state.concats, ctx.parts_of, batch_num)
 
     def to_record(self, state: ActState, layers, record: ScaleOffsetRecord) -> None:
         found = [(n, w.kind, w.quantizers()) for n, w in state.modules.items()]
@@ -361,11 +372,7 @@ class ActivationQuant(Technique):
                 continue
             node = _entry(record, name, "residual")  # the quantizer is the reading layers' input one
             node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.residual[name]])
-        for name, aq in state.concat_hooked.items():
-            if bool(aq.initialized):  # the quantizer is the reading layers' input one, recorded with them
-                node = _entry(record, name, "concat")
-                node.attr.add(name="inputs", type=AttrType.STRINGS, strings=[n.encode() for n in state.concats[name].inputs])
-                node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in state.concats[name].layers])
+        record_sites(state.concats, state.concat_hooked, lambda name, op: _entry(record, name, op))
 
 
     @torch.no_grad()

@@ -12,7 +12,15 @@ into the concat's scale, the Concat copies bytes).
 The readers, through max pools (which pool the uint8 tensor, ``quantization._pooled_from``)
 and reshapes, must be quantized layers (one input quantizer, checked when applied) or average
 pools ORT runs in int8. A cat read by another cat only is part of that cat's site (Inception-E's
-nested cats). One record entry per concat, named ``<scope>:<cat node>``.
+nested cats). A cat only average pools read (the last block before the classifier) has no reader
+to share a quantizer with: it gets its own (``ActULQ``, initialised from the training batches
+like the others, held by the module returning the cat as ``concat_quant``, so the checkpoint
+carries its clips), hooked on its inputs and on that module's output, so that ORT runs
+QLinearConcat and then QLinear(Global)AveragePool. Where average pools and layers read a cat
+whose input max-pools another concat (on that one's grid: Inception's reduction blocks), the
+module returning the cat is hooked with the readers' quantizer as well, so that the pools
+average what QLinearConcat outputs (each input requantized to that grid). One record entry per concat, named
+``<scope>:<cat node>``; a site with its own quantizer records its (scale, offset) too.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ from dataclasses import dataclass
 
 from openamct.graph.graph import Graph
 from openamct.graph.node import Node, TensorInfo
+from openamct.quant.quantizers import ActULQ
 from openamct.quant.residual import OutputQuantHook
+from openamct.record import attrs
+from openamct.record.scale_offset_record_pb2 import AttrType
 
-__all__ = ["ConcatSite", "concat_sites", "hook_sites", "hooked_tensors"]
+__all__ = ["ConcatSite", "concat_sites", "hook_sites", "hooked_tensors", "record_sites"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +49,9 @@ MOVES = {"flatten", "reshape", "view", "contiguous", "Flatten", "Identity"}
 class ConcatSite:
     inputs: tuple[str, ...]  # modules whose outputs the cat reads: each gets an output hook
     layers: tuple[str, ...]  # the quantized layers reading the cat's output (one input quantizer)
+    # the module returning the cat, whose output is hooked too (concat_sites), or None; where
+    # no layer reads the cat it holds the site's own quantizer
+    output: str | None = None
 
 
 def site_name(node: Node) -> str:
@@ -61,10 +75,13 @@ def _pooled_cat(t: TensorInfo) -> bool:
     return _is_cat(p) and p is not t.producer
 
 
-def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model) -> list[str] | None:
+def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model, pools: list | None = None) -> list[str] | None:
+    """The quantized layers reading ``t`` (through max pools and reshapes), or None where
+    another op reads it; the average pools reading it are added to ``pools``."""
     if graph.is_output(t):
         return None
     layers = []
+    pools = [] if pools is None else pools
     for n in graph.users(t):
         if n.kind == "module" and n.name in planned and n.inputs and n.inputs[0] is t:
             layers.append(n.name)
@@ -74,18 +91,27 @@ def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model) -> li
         if n.op in MAX_POOLS and _only_cats_read(graph, n.outputs[0]):
             continue  # an input of the next concat, on this one's grid (Inception's pool branch)
         if n.op in MAX_POOLS or n.op in MOVES:
-            more = _reading_layers(graph, n.outputs[0], planned, model)
+            more = _reading_layers(graph, n.outputs[0], planned, model, pools)
             if more is None:
                 return None
             layers += more
-        elif n.op not in AVG_POOLS or n.kwargs.get("ceil_mode", False) or n.kind == "module" and \
-                getattr(model.get_submodule(n.name), "ceil_mode", False):
-            return None  # (ORT's QLinearAveragePool mis-averages ceil_mode windows: deploy._int8_pool)
+        elif not int8_pool(model, n):
+            return None
+        else:
+            pools.append(n)
     return layers
 
 
-def _input_modules(graph: Graph, cat: Node, excluded: set[str]) -> list[str] | None:
-    """The modules returning the cat's inputs (through nested cats), each read by the cat alone."""
+def int8_pool(model, n: Node) -> bool:
+    """An average pool ORT runs as QLinear(Global)AveragePool: not ceil_mode, whose windows
+    hanging over the input ORT's kernel mis-averages (deploy._int8_pool)."""
+    return n.op in AVG_POOLS and not n.kwargs.get("ceil_mode", False) and not (
+        n.kind == "module" and getattr(model.get_submodule(n.name), "ceil_mode", False))
+
+
+def _input_modules(graph: Graph, cat: Node, excluded: set[str], pooled: list) -> list[str] | None:
+    """The modules returning the cat's inputs (through nested cats), each read by the cat alone;
+    ``pooled`` gets the inputs that max-pool another concat's output."""
     found: list[str] = []
 
     def take(t: TensorInfo) -> bool:
@@ -94,6 +120,7 @@ def _input_modules(graph: Graph, cat: Node, excluded: set[str]) -> list[str] | N
         if _is_cat(t.producer):
             return all(take(i) for i in t.producer.inputs)
         if _pooled_cat(t):
+            pooled.append(t)
             return True  # on that concat's grid where it is a site: QLinearConcat requantizes it
         m = graph.module_outputs.get(t.key)
         if m is None or m in excluded or m in found:
@@ -111,11 +138,30 @@ def concat_sites(graph: Graph, planned: set[str], excluded: set[str], model) -> 
     for node in graph:
         if not _is_cat(node) or any(_is_cat(u) for u in graph.users(node.outputs[0])):
             continue
-        layers = _reading_layers(graph, node.outputs[0], planned, model)
-        inputs = _input_modules(graph, node, excluded) if layers else None
-        if inputs:
-            sites[site_name(node)] = ConcatSite(tuple(inputs), tuple(layers))
+        pools, pooled = [], []
+        layers = _reading_layers(graph, node.outputs[0], planned, model, pools)
+        if layers is None or not layers and not pools:
+            continue
+        inputs = _input_modules(graph, node, excluded, pooled)
+        if not inputs:
+            continue
+        output = None
+        # Average pools alone read it: its own quantizer, held by the module returning the cat.
+        # Average pools and layers read it, and an input max-pools another concat's output (on
+        # that one's grid): the module returning the cat is hooked with the readers' quantizer
+        # too, so the pools average what QLinearConcat outputs (Inception's reduction blocks).
+        if not layers or pooled and pools:
+            output = graph.module_outputs.get(node.outputs[0].key)
+            if output is None or output in excluded or output in inputs or \
+                    not layers and hasattr(model.get_submodule(output), OWN_QUANTIZER):
+                if not layers:
+                    continue
+                output = None  # the pools average the float concat there
+        sites[site_name(node)] = ConcatSite(tuple(inputs), tuple(layers), output)
     return sites
+
+
+OWN_QUANTIZER = "concat_quant"  # the attribute holding a site's own quantizer
 
 
 def hooked_tensors(graph: Graph, sites: dict[str, ConcatSite]) -> set[int]:
@@ -124,17 +170,42 @@ def hooked_tensors(graph: Graph, sites: dict[str, ConcatSite]) -> set[int]:
     return {k for k, m in graph.module_outputs.items() if m in mods}
 
 
-def hook_sites(model, sites: dict[str, ConcatSite], parts_of) -> dict[str, object]:
-    """Hook each site's input modules with its readers' one input quantizer; returns site ->
-    quantizer for the sites hooked (the others stay float, as before)."""
+def hook_sites(model, sites: dict[str, ConcatSite], parts_of, batch_num: int) -> dict[str, object]:
+    """Hook each site's input modules (and output module) with its readers' one input
+    quantizer, or with its own (a new ``ActULQ`` on ``batch_num`` batches, held by the output
+    module); returns site -> quantizer for the sites hooked (the others stay float)."""
     hooked = {}
     for name, site in sites.items():
-        qs = {id(q): q for n in site.layers if (q := parts_of(n).act_quant) is not None}
-        if len(qs) != 1 or any(parts_of(n).act_quant is None for n in site.layers):
-            logger.debug("%s: its readers %s do not share one input quantizer; left float", name, site.layers)
-            continue
-        (aq,) = qs.values()
-        for m in site.inputs:
+        if not site.layers:
+            aq = ActULQ(fixed_min=False, batch_num=batch_num)
+            aq.layer_name = f"{name} (concat)"
+            model.get_submodule(site.output).add_module(OWN_QUANTIZER, aq)
+        else:
+            qs = {id(q): q for n in site.layers if (q := parts_of(n).act_quant) is not None}
+            if len(qs) != 1 or any(parts_of(n).act_quant is None for n in site.layers):
+                logger.debug("%s: its readers %s do not share one input quantizer; left float", name, site.layers)
+                continue
+            (aq,) = qs.values()
+        for m in site.inputs + ((site.output,) if site.output is not None else ()):
             model.get_submodule(m).register_forward_hook(OutputQuantHook(aq))
         hooked[name] = aq
     return hooked
+
+
+def record_sites(sites: dict[str, ConcatSite], hooked: dict[str, object], entry) -> None:
+    """One record entry per hooked site whose quantizer is initialised (``entry(name, op)``
+    makes it): its inputs and readers; with its own quantizer, that module and its
+    (scale, offset) (a shared one is recorded with its layers), and the output module hooked."""
+    for name, aq in hooked.items():
+        if not bool(aq.initialized):
+            continue
+        site = sites[name]
+        node = entry(name, "concat")
+        node.attr.add(name="inputs", type=AttrType.STRINGS, strings=[n.encode() for n in site.inputs])
+        node.attr.add(name="layers", type=AttrType.STRINGS, strings=[n.encode() for n in site.layers])
+        if site.output is not None:
+            node.attr.add(name="output", type=AttrType.STRING, s=site.output.encode())
+        if not site.layers:
+            s, o = aq.scale_offset()
+            node.attr.add(name="scale_d", type=AttrType.FLOATS, floats=[s])
+            attrs.add_ints(node, "offset_d", [o])
