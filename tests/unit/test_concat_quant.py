@@ -2,13 +2,17 @@
 module returning one), and a layer reading a max pool shares the quantizer of the layers reading
 the pool's input: the deploy model's Concat and MaxPool then read DequantizeLinears of one
 qparams (ORT: QLinearConcat, uint8 MaxPool) and fake-quant computes what deploy does. A
-Hardswish after a quantized layer is wrapped like a SiLU (its input quantized)."""
+Hardswish after a quantized layer is wrapped like a SiLU (its input quantized). Inception-v3's
+other sites (``Tail``): a stem max pool that convs and an average pool read, a reduction
+block's concat with a max-pooled input that convs and an average pool read, and a last block's
+concat only the global average pool reads (its own quantizer)."""
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import openamct as amct
@@ -53,6 +57,59 @@ class InceptionLike(nn.Module):
         return self.hs(self.head(y))
 
 
+class Conv(nn.Module):  # torchvision's BasicConv2d
+    def __init__(self, cin: int, cout: int, k: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, stride, padding=k // 2, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return torch.relu_(self.bn(self.conv(x)))
+
+
+class BlockA(nn.Module):  # Inception-A: a branch convolving the average pool of the block's input
+    def __init__(self, cin: int, c: int) -> None:
+        super().__init__()
+        self.b1, self.b2, self.bp = Conv(cin, c, 1), Conv(cin, c, 3), Conv(cin, c, 1)
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.bp(F.avg_pool2d(x, 3, 1, 1))], 1)
+
+
+class Reduction(nn.Module):  # Inception's Mixed_6a: a strided conv beside a max pool of the input
+    def __init__(self, cin: int, c: int) -> None:
+        super().__init__()
+        self.b = Conv(cin, c, 3, 2)
+
+    def forward(self, x):
+        return torch.cat([self.b(x), F.max_pool2d(x, 3, 2, 1)], 1)
+
+
+class Tail(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.stem, self.pool = Conv(1, c, 3), nn.MaxPool2d(2)
+        self.a, self.r, self.a2 = BlockA(c, c), Reduction(3 * c, c), BlockA(4 * c, c)
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(3 * c, 4)
+
+    def forward(self, x):
+        x = self.a2(self.r(self.a(self.pool(self.stem(x)))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _bn_weights(m):
+    with torch.no_grad():
+        for b in m.modules():
+            if isinstance(b, nn.BatchNorm2d):
+                b.weight.uniform_(0.5, 2.0)  # no biases: the deploy file's int32 biases are exact
+    return m.eval()
+
+
+def _tail():
+    torch.manual_seed(0)
+    return _bn_weights(Tail())
+
+
 def _model():
     torch.manual_seed(0)
     m = InceptionLike()
@@ -74,13 +131,11 @@ def x():
     return torch.randn(8, 1, 10, 10, generator=torch.Generator().manual_seed(1)) ** 3
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, x):
-    d = tmp_path_factory.mktemp("cq")
+def _saved(d, x, make):
     cfg, rec = str(d / "q.cfg"), str(d / "rec.txt")
     with open(cfg, "w") as f:
         f.write(CFG)
-    original = _model()
+    original = make()
     c = amct.create_compressed_retrain_model(original, x, cfg, rec)
     assert not output_hooks(original)  # the caller's model untouched
     c.train()
@@ -88,6 +143,17 @@ def saved(tmp_path_factory, x):
         c(x)
     ref, ckpt = checkpoint_and_save(c, d, x, rec)
     return {"c": c, "dir": d, "cfg": cfg, "rec": rec, "ckpt": ckpt, "ref": ref}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, x):
+    return _saved(tmp_path_factory.mktemp("cq"), x, _model)
+
+
+@pytest.fixture(scope="module")
+def tail(tmp_path_factory):
+    x = torch.randn(8, 1, 16, 16, generator=torch.Generator().manual_seed(2))
+    return {**_saved(tmp_path_factory.mktemp("tail"), x, _tail), "x": x}
 
 
 def test_concat_inputs_take_the_readers_quantizer(saved):
@@ -136,3 +202,41 @@ def test_restore_replays_the_concat_hooks(saved, x):
     assert sorted(n for n, _ in output_hooks(r)) == ["b1", "b2", "b3"]
     with torch.no_grad():
         assert np.array_equal(r(x).numpy(), saved["ref"])
+
+
+def test_pool_read_sites_take_a_trained_quantizer_recorded_and_replayed(tail):
+    c, x = tail["c"], tail["x"]
+    hooks = dict(output_hooks(c))
+    # the stem pool: its readers' quantizer; r: the quantizer of a2's convs on its inputs and
+    # its output; a2: its own, on its inputs and output
+    assert sorted(hooks) == ["a.b1", "a.b2", "a.bp", "a2", "a2.b1", "a2.b2", "a2.bp", "pool", "r", "r.b"]
+    assert hooks["pool"].quantizer is c.a.b1.conv.act_quant is c.a.b2.conv.act_quant
+    assert hooks["r"].quantizer is hooks["r.b"].quantizer is c.a2.b1.conv.act_quant
+    own = c.a2.concat_quant
+    assert all(hooks[m].quantizer is own for m in ("a2", "a2.b1", "a2.b2", "a2.bp")) and bool(own.initialized)
+    entries = {pr.selective_prune.name: {a.name: a for a in pr.selective_prune.attr}
+               for pr in read_record(tail["rec"]).prune_record if selective_algorithm(pr) == ALGORITHM}
+    assert entries["pool"]["op"].s == b"residual"
+    (r_cat,) = [n for n in entries if n.startswith("r:")]
+    (a2_cat,) = [n for n in entries if n.startswith("a2:")]
+    assert entries[r_cat]["output"].s == b"r" and "scale_d" not in entries[r_cat]
+    a2 = entries[a2_cat]
+    assert a2["output"].s == b"a2" and not a2["layers"].strings
+    assert (a2["scale_d"].floats[0], a2["offset_d"].ints[0]) == pytest.approx(own.scale_offset())
+    r = amct.restore_compressed_retrain_model(_tail(), x, tail["cfg"], tail["rec"], tail["ckpt"], "state_dict")
+    r.eval()
+    assert sorted(n for n, _ in output_hooks(r)) == sorted(hooks)
+    assert r.a2.concat_quant.scale_offset() == own.scale_offset()
+    with torch.no_grad():
+        assert np.array_equal(r(x).numpy(), tail["ref"])
+
+
+def test_pool_read_sites_run_int8_in_deploy_and_match_fake_quant(tail):
+    d, x = tail["dir"], tail["x"]
+    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    assert_same_quantized_function(tail["ref"], fake, what="fake-quant vs torch")
+    assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
+    ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
+    assert ops.count("QLinearConcat") == 3 and ops.count("QLinearAveragePool") == 2, ops
+    assert ops.count("QLinearGlobalAveragePool") == 1, ops
+    assert not {"Concat", "AveragePool", "GlobalAveragePool", "MaxPool"} & set(ops), ops
