@@ -51,7 +51,14 @@ from openamct.export.export_layer import (
     per_channel_view,
 )
 from openamct.export.onnx_graph import OnnxGraph
-from openamct.export.qdq_place import dedupe, drop_requantize, passes, place, qparams
+from openamct.export.qdq_place import (
+    dedupe,
+    drop_requantize,
+    passes,
+    place,
+    qparams,
+    splits_onto_grid,
+)
 from openamct.export.recurrent import fold_recurrent
 from openamct.formats import INT8_WEIGHT
 from openamct.quant.covering_pool import fold_pools
@@ -208,7 +215,8 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     _bias_to_int32(g)
     requantized = drop_requantize(g)
     dedupe(g)
-    placed = int8 = 0
+    placed = splits_onto_grid(g)
+    int8 = 0
     for n in g.topological():
         if n.op_type in INT_ANCHORS:
             w = n.input[1]

@@ -189,3 +189,24 @@ def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
             if name == q.input[0]:
                 g.set_input(add, i, dq.output[0])
     return True
+
+
+def splits_onto_grid(g: OnnxGraph) -> int:
+    """A Split/Slice of DQ(q) whose output only Concats read (ShuffleNetV2's channel split, one
+    half passed on to the next concat): a Q/DQ of those qparams on that output. Exact (a part of
+    a tensor on a grid is on it); ORT then runs the split on uint8 and the Concat as
+    QLinearConcat (each input a DequantizeLinear). Returns how many."""
+    placed = 0
+    for op in [n for n in g.nodes if n.op_type in ("Split", "Slice")]:
+        dq = g.producer(op.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or g.const(dq.input[0]) is not None:
+            continue
+        p = qparams(g, dq)
+        if p is None:
+            continue
+        for out in op.output:
+            users = g.users(out)
+            if out and users and not g.is_output(out) and all(u.op_type == "Concat" for u in users):
+                g.insert_qdq(out, p[0], p[1], p[2])
+                placed += 1
+    return placed

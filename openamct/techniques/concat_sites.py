@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 MAX_POOLS = {"MaxPool1d", "MaxPool2d", "MaxPool3d", "max_pool1d", "max_pool2d", "max_pool3d"}
 AVG_POOLS = {"AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool2d", "avg_pool1d", "avg_pool2d",
              "avg_pool3d", "adaptive_avg_pool2d"}
-MOVES = {"flatten", "reshape", "view", "contiguous", "Flatten", "Identity"}
+MOVES = {"flatten", "reshape", "view", "contiguous", "transpose", "Flatten", "Identity"}
+SPLITS = {"chunk"}  # ShuffleNetV2's channel split: one part to the next concat, one to a branch
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,28 @@ def _only_cats_read(graph: Graph, t: TensorInfo) -> bool:
 
 
 def _pooled_cat(t: TensorInfo) -> bool:
-    """Whether ``t`` max-pools (through max pools) a concat's output."""
+    """Whether ``t`` max-pools or splits (through max pools, splits and reshapes) a concat's
+    output (Inception's pool branches, ShuffleNetV2's channel split)."""
     p = t.producer
-    while p is not None and p.op in MAX_POOLS and len(p.inputs) == 1:
+    while p is not None and (p.op in MAX_POOLS or p.op in MOVES or p.op in SPLITS) and len(p.inputs) == 1:
         p = p.inputs[0].producer
     return _is_cat(p) and p is not t.producer
 
 
+def _returned(graph: Graph, t: TensorInfo) -> str | None:
+    """The module returning ``t`` or, through reshapes each alone reading the one before
+    (ShuffleNetV2's channel shuffle), a reshape of it."""
+    while graph.module_outputs.get(t.key) is None:
+        users = graph.users(t)
+        if graph.is_output(t) or len(users) != 1 or users[0].op not in MOVES or len(users[0].outputs) != 1:
+            return None
+        t = users[0].outputs[0]
+    return graph.module_outputs[t.key]
+
+
 def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model, pools: list | None = None) -> list[str] | None:
-    """The quantized layers reading ``t`` (through max pools and reshapes), or None where
-    another op reads it; the average pools reading it are added to ``pools``."""
+    """The quantized layers reading ``t`` (through max pools, reshapes and splits), or None
+    where another op reads it; the average pools and splits reading it are added to ``pools``."""
     if graph.is_output(t):
         return None
     layers = []
@@ -85,6 +98,14 @@ def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model, pools
     for n in graph.users(t):
         if n.kind == "module" and n.name in planned and n.inputs and n.inputs[0] is t:
             layers.append(n.name)
+            continue
+        if n.op in SPLITS and len(n.inputs) == 1 and n.kind == "function":
+            pools.append(n)
+            for o in n.outputs:  # a part only concats read: an input of the next site
+                more = [] if _only_cats_read(graph, o) else _reading_layers(graph, o, planned, model, pools)
+                if more is None:
+                    return None
+                layers += more
             continue
         if len(n.inputs) != 1 or len(n.outputs) != 1 or n.inplace:
             return None
@@ -150,8 +171,10 @@ def concat_sites(graph: Graph, planned: set[str], excluded: set[str], model) -> 
         # Average pools and layers read it, and an input max-pools another concat's output (on
         # that one's grid): the module returning the cat is hooked with the readers' quantizer
         # too, so the pools average what QLinearConcat outputs (Inception's reduction blocks).
-        if not layers or pooled and pools:
-            output = graph.module_outputs.get(node.outputs[0].key)
+        # A split reads it (ShuffleNetV2): the module returning its shuffle is hooked, so the
+        # deploy file's Q/DQ sits before the split and the part passed on is on the grid.
+        if not layers or pooled and pools or any(n.op in SPLITS for n in pools):
+            output = _returned(graph, node.outputs[0])
             if output is None or output in excluded or output in inputs or \
                     not layers and hasattr(model.get_submodule(output), OWN_QUANTIZER):
                 if not layers:
