@@ -5,7 +5,9 @@ qparams (ORT: QLinearConcat, uint8 MaxPool) and fake-quant computes what deploy 
 Hardswish after a quantized layer is wrapped like a SiLU (its input quantized). Inception-v3's
 other sites (``Tail``): a stem max pool that convs and an average pool read, a reduction
 block's concat with a max-pooled input that convs and an average pool read, and a last block's
-concat only the global average pool reads (its own quantizer)."""
+concat only the global average pool reads (its own quantizer). ShuffleNetV2's units
+(``Shuffle``): a split half passed on to the next concat, the shuffle's view/transpose, all on
+uint8 in deploy."""
 
 import numpy as np
 import onnx
@@ -97,6 +99,40 @@ class Tail(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+def _shuffle(x):  # torchvision's channel_shuffle, 2 groups
+    b, c, h, w = x.shape
+    return x.view(b, 2, c // 2, h, w).transpose(1, 2).contiguous().view(b, c, h, w)
+
+
+class Down(nn.Module):  # ShuffleNetV2's stride-2 unit
+    def __init__(self, cin: int, c: int) -> None:
+        super().__init__()
+        self.b1, self.b2 = Conv(cin, c // 2, 3, 2), Conv(cin, c // 2, 1, 2)
+
+    def forward(self, x):
+        return _shuffle(torch.cat((self.b1(x), self.b2(x)), 1))
+
+
+class Unit(nn.Module):  # ShuffleNetV2's stride-1 unit: half the channels pass through
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.branch = Conv(c // 2, c // 2, 3)
+
+    def forward(self, x):
+        x1, x2 = x.chunk(2, dim=1)
+        return _shuffle(torch.cat((x1, self.branch(x2)), 1))
+
+
+class Shuffle(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.stem, self.down, self.u1, self.u2 = Conv(1, c, 3), Down(c, 2 * c), Unit(2 * c), Unit(2 * c)
+        self.head = nn.Conv2d(2 * c, 3, 1, bias=False)
+
+    def forward(self, x):
+        return self.head(self.u2(self.u1(self.down(self.stem(x)))))
+
+
 def _bn_weights(m):
     with torch.no_grad():
         for b in m.modules():
@@ -108,6 +144,11 @@ def _bn_weights(m):
 def _tail():
     torch.manual_seed(0)
     return _bn_weights(Tail())
+
+
+def _shuffle_net():
+    torch.manual_seed(0)
+    return _bn_weights(Shuffle())
 
 
 def _model():
@@ -154,6 +195,12 @@ def saved(tmp_path_factory, x):
 def tail(tmp_path_factory):
     x = torch.randn(8, 1, 16, 16, generator=torch.Generator().manual_seed(2))
     return {**_saved(tmp_path_factory.mktemp("tail"), x, _tail), "x": x}
+
+
+@pytest.fixture(scope="module")
+def shuffle(tmp_path_factory):
+    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    return {**_saved(tmp_path_factory.mktemp("shuffle"), x, _shuffle_net), "x": x}
 
 
 def test_concat_inputs_take_the_readers_quantizer(saved):
@@ -240,3 +287,30 @@ def test_pool_read_sites_run_int8_in_deploy_and_match_fake_quant(tail):
     assert ops.count("QLinearConcat") == 3 and ops.count("QLinearAveragePool") == 2, ops
     assert ops.count("QLinearGlobalAveragePool") == 1, ops
     assert not {"Concat", "AveragePool", "GlobalAveragePool", "MaxPool"} & set(ops), ops
+
+
+def test_shufflenet_split_and_shuffle_run_on_uint8_and_restore(shuffle):
+    c, x, d = shuffle["c"], shuffle["x"], shuffle["dir"]
+    hooks = dict(output_hooks(c))
+    # each concat on the grid of the layer behind the next split (the last: the head's), the
+    # modules returning a shuffle that a split reads hooked too
+    assert sorted(hooks) == ["down", "down.b1", "down.b2", "u1", "u1.branch", "u2.branch"]
+    assert all(hooks[m].quantizer is c.u1.branch.conv.act_quant for m in ("down", "down.b1", "down.b2"))
+    assert hooks["u1"].quantizer is hooks["u1.branch"].quantizer is c.u2.branch.conv.act_quant
+    assert hooks["u2.branch"].quantizer is c.head.act_quant
+    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    assert_same_quantized_function(shuffle["ref"], fake, what="fake-quant vs torch")
+    assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
+    ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
+    g = onnx.load(str(d / "opt.onnx")).graph  # (the graph ort_optimized_ops wrote)
+    made_by = {o: n.op_type for n in g.node for o in n.output}
+    assert ops.count("QLinearConcat") == 3 and "Concat" not in ops, ops
+    # the split, the shuffles' reshapes and transposes read uint8 tensors
+    moves = [n for n in g.node if n.op_type in ("Split", "Reshape", "Transpose") and n.input[0] in made_by]
+    assert moves and not [n.name for n in moves if made_by[n.input[0]] == "DequantizeLinear"], ops
+    r = amct.restore_compressed_retrain_model(_shuffle_net(), x, shuffle["cfg"], shuffle["rec"], shuffle["ckpt"],
+                                              "state_dict")
+    r.eval()
+    assert sorted(n for n, _ in output_hooks(r)) == sorted(hooks)
+    with torch.no_grad():
+        assert np.array_equal(r(x).numpy(), shuffle["ref"])
