@@ -7,7 +7,8 @@ holds its weight as int8 already (``WeightDQ``: exports as DequantizeLinear of t
 initializer ``<layer>.weight_int8``, per channel, zero point 0), so the export carries a quarter
 of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d``). Post-pass:
 1. Conv/Gemm bias -> int32
-   initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp).
+   initializer with scale = input scale x weight scale; one Q/DQ per (tensor, scale, zp); a
+   part of a split quantized tensor that only Concats read gets its qparams (``splits_onto_grid``).
 2. Output quantization, visiting layers (and Adds / Muls / average pools / Concats whose inputs
    are quantized) in topological order. If the output reaches, through ops that commute with
    quantization (Relu, Clip, MaxPool, Reshape, Flatten, Transpose, (Un)squeeze, constant-zero

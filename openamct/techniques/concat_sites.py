@@ -19,8 +19,17 @@ carries its clips), hooked on its inputs and on that module's output, so that OR
 QLinearConcat and then QLinear(Global)AveragePool. Where average pools and layers read a cat
 whose input max-pools another concat (on that one's grid: Inception's reduction blocks), the
 module returning the cat is hooked with the readers' quantizer as well, so that the pools
-average what QLinearConcat outputs (each input requantized to that grid). One record entry per concat, named
-``<scope>:<cat node>``; a site with its own quantizer records its (scale, offset) too.
+average what QLinearConcat outputs (each input requantized to that grid).
+
+ShuffleNetV2: ``x1, x2 = x.chunk(2)``, ``cat(x1, branch(x2))``, then the channel shuffle's
+view/transpose/view. The readers are followed through the split (a half only concats read is
+an input of the next site) and the shuffle; an input that splits an earlier concat's output is
+on that one's grid, as a max-pooled one is. A split reads the site, so the module returning its
+shuffle is hooked: the deploy file's Q/DQ sits before the split, the half passed on gets one of
+the same qparams (``export/qdq_place.splits_onto_grid``), and ORT runs the split, reshapes and
+transpose on uint8 and each concat as QLinearConcat (requantizing the half passed on, which the
+hook does in fake-quant). One record entry per concat, named ``<scope>:<cat node>`` (and the
+module whose output is hooked); a site with its own quantizer records its (scale, offset) too.
 """
 
 from __future__ import annotations
