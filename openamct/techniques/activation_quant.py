@@ -190,9 +190,9 @@ def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set
     runs in int8 do (through zero padding and reshapes), the Adds not writing into ``t`` and
     adding a quantized conv's output (``convs``, through its BN); else None. Pools count only
     where no concat returns ``t`` (concat_sites.py quantizes those): Inception-v3's stem max
-    pool, which its first block's convs and average pool read. Not when the Add's other term is a Linear's: its
-    QGemm outputs float, so the Add stays float in deploy and quantizing ``t`` for it would only
-    clip the residual stream (all-MiniLM-L6-v2: cosine to FP32 0.995 -> 0.991)."""
+    pool, which its first block's convs and average pool read. Not when the Add's other term is
+    a Linear's: its QGemm outputs float, so the Add stays float in deploy and quantizing ``t``
+    for it would only clip the residual stream (all-MiniLM-L6-v2: cosine to FP32 0.995 -> 0.991)."""
     layers, adds = [], 0
 
     def walk(t: TensorInfo) -> bool:

@@ -97,21 +97,21 @@ def _returned(graph: Graph, t: TensorInfo) -> str | None:
     return graph.module_outputs[t.key]
 
 
-def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model, pools: list | None = None) -> list[str] | None:
+def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model, others: list | None = None) -> list[str] | None:
     """The quantized layers reading ``t`` (through max pools, reshapes and splits), or None
-    where another op reads it; the average pools and splits reading it are added to ``pools``."""
+    where another op reads it; the average pools and splits reading it are added to ``others``."""
     if graph.is_output(t):
         return None
     layers = []
-    pools = [] if pools is None else pools
+    others = [] if others is None else others
     for n in graph.users(t):
         if n.kind == "module" and n.name in planned and n.inputs and n.inputs[0] is t:
             layers.append(n.name)
             continue
         if n.op in SPLITS and len(n.inputs) == 1 and n.kind == "function":
-            pools.append(n)
+            others.append(n)
             for o in n.outputs:  # a part only concats read: an input of the next site
-                more = [] if _only_cats_read(graph, o) else _reading_layers(graph, o, planned, model, pools)
+                more = [] if _only_cats_read(graph, o) else _reading_layers(graph, o, planned, model, others)
                 if more is None:
                     return None
                 layers += more
@@ -121,14 +121,14 @@ def _reading_layers(graph: Graph, t: TensorInfo, planned: set[str], model, pools
         if n.op in MAX_POOLS and _only_cats_read(graph, n.outputs[0]):
             continue  # an input of the next concat, on this one's grid (Inception's pool branch)
         if n.op in MAX_POOLS or n.op in MOVES:
-            more = _reading_layers(graph, n.outputs[0], planned, model, pools)
+            more = _reading_layers(graph, n.outputs[0], planned, model, others)
             if more is None:
                 return None
             layers += more
         elif not int8_pool(model, n):
             return None
         else:
-            pools.append(n)
+            others.append(n)
     return layers
 
 
@@ -141,7 +141,7 @@ def int8_pool(model, n: Node) -> bool:
 
 def _input_modules(graph: Graph, cat: Node, excluded: set[str], pooled: list) -> list[str] | None:
     """The modules returning the cat's inputs (through nested cats), each read by the cat alone;
-    ``pooled`` gets the inputs that max-pool another concat's output."""
+    ``pooled`` gets the inputs that max-pool or split another concat's output."""
     found: list[str] = []
 
     def take(t: TensorInfo) -> bool:
@@ -168,9 +168,9 @@ def concat_sites(graph: Graph, planned: set[str], excluded: set[str], model) -> 
     for node in graph:
         if not _is_cat(node) or any(_is_cat(u) for u in graph.users(node.outputs[0])):
             continue
-        pools, pooled = [], []
-        layers = _reading_layers(graph, node.outputs[0], planned, model, pools)
-        if layers is None or not layers and not pools:
+        others, pooled = [], []
+        layers = _reading_layers(graph, node.outputs[0], planned, model, others)
+        if layers is None or not layers and not others:
             continue
         inputs = _input_modules(graph, node, excluded, pooled)
         if not inputs:
@@ -182,13 +182,13 @@ def concat_sites(graph: Graph, planned: set[str], excluded: set[str], model) -> 
         # too, so the pools average what QLinearConcat outputs (Inception's reduction blocks).
         # A split reads it (ShuffleNetV2): the module returning its shuffle is hooked, so the
         # deploy file's Q/DQ sits before the split and the part passed on is on the grid.
-        if not layers or pooled and pools or any(n.op in SPLITS for n in pools):
+        if not layers or pooled and others or any(n.op in SPLITS for n in others):
             output = _returned(graph, node.outputs[0])
             if output is None or output in excluded or output in inputs or \
                     not layers and hasattr(model.get_submodule(output), OWN_QUANTIZER):
                 if not layers:
                     continue
-                output = None  # the pools average the float concat there
+                output = None  # the pools average (the split passes on) the float concat there
         sites[site_name(node)] = ConcatSite(tuple(inputs), tuple(layers), output)
     return sites
 
