@@ -301,6 +301,10 @@ def test_shufflenet_split_and_shuffle_run_on_uint8_and_restore(shuffle):
     fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
     assert_same_quantized_function(shuffle["ref"], fake, what="fake-quant vs torch")
     assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
+    # the shuffles' 5-D view/transpose/view move H and W as one axis (deploy._flat_shuffles)
+    perms = [list(a.ints) for n in onnx.load(str(d / "m_deploy_model.onnx")).graph.node
+             if n.op_type == "Transpose" for a in n.attribute if a.name == "perm"]
+    assert perms == [[0, 2, 1, 3]] * 3, perms
     ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
     g = onnx.load(str(d / "opt.onnx")).graph  # (the graph ort_optimized_ops wrote)
     made_by = {o: n.op_type for n in g.node for o in n.output}
