@@ -177,12 +177,12 @@ def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
         points = [op.output[0] for op in chain[:-1]]  # layer -> Relu -> Q: ORT drops the Relu
     else:
         points = ([y] if chain else []) + [op.output[0] for op in chain[:-1]]
-    for t in points:
-        g.insert_qdq(t, p[0], p[1], p[2])
+    for t in points:  # a residual Add reading t adds t itself, as in fake-quant
+        g.insert_qdq(t, p[0], p[1], p[2], keep=[u for u in g.users(t) if u.op_type == "Add"])
     dq = next((u for u in g.users(q.output[0]) if u.op_type == "DequantizeLinear"), None)
     if dq is None:
         dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
-    for add in adds:
+    for add in [a for a in adds if a.op_type != "Add"]:  # the pools: exact on DQ(Q(t))
         if add.op_type == "MaxPool" and all(u.op_type == "Concat" for u in g.users(add.output[0])):
             g.insert_qdq(add.output[0], p[0], p[1], p[2])
         for i, name in enumerate(add.input):
