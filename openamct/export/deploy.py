@@ -16,17 +16,21 @@ of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d`
    (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the
    way so ORT sees DQ -> op -> Q. Exact: those ops map grid values to grid values and Q is
    idempotent on its grid. A Relu/Clip right after the layer is stepped over when the quantizer
-   already clips there, so ORT drops it. Adds also reading that tensor (residual identity
-   branches) read DQ(Q(t)) instead, so they become QLinearAdd (the only change of numerics;
-   measured on ResNet-18 b8 both ways: rewired 214 vs 223 ms on a loaded machine, and cosine to
-   the fake-quant model 0.999864 vs 0.999832, since without it more outputs fall back to ranges).
+   already clips there, so ORT drops it. Residual Adds also reading that tensor keep reading it
+   unrounded, as the fake-quant model's Add does (where training quantizes such a tensor for
+   the Add, quant/residual.py, the export already has its Q/DQ and ORT runs QLinearAdd); pools
+   read DQ(Q(t)) where that is exact (a MaxPool onto the same quantizer, a pool of a Concat of
+   that grid). Rounding the Add's input too cost timm EfficientViT-MIT's deploy file 0.975
+   cosine to fake-quant (0.99985 without).
    A constant-zero Pad left between Q and DQ -> Conv is then moved into the conv's padding
    (``_fuse_pads``), after folding the exporter's constant shape ops that compute its pads.
 3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)
-   where input quantizers alone read it; where a float op reads it (``_float_read``) it stays
+   where only input quantizers and integer average pools read it, so ORT runs QLinearConv: a
+   rounding step fake-quant does not take (at most one step of the readers' grid before their
+   own rounding, or averaged by the pool). Where a float op reads it (``_float_read``) it stays
    float, as in fake-quant. An Add feeding an average pool gets the range its inputs bound
-   (never clips). Gemm outputs stay float: QGemm outputs
-   float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
+   (never clips; the other such step, averaged by the pool). Gemm outputs stay float: QGemm
+   outputs float itself, and a Q/DQ there only costs (MLP 0.94x vs 1.05x qs).
 4. A 5-D channel shuffle (ShuffleNetV2's view/transpose/view) moves H and W as one axis
    (``_flat_shuffles``): the same bytes, in a form ORT does not merge with its NHWC transposes.
 
@@ -196,16 +200,21 @@ def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     return lo, hi
 
 
-def _float_read(g: OnnxGraph, y: str) -> bool:
-    """Whether an op other than an input quantizer reads the conv output ``y`` (past the one
-    Relu/Clip that ``qdq_place._fallback`` puts its Q/DQ behind). The observer's Q/DQ is a step
-    fake-quant does not have: where only input quantizers read the tensor it costs at most one
-    step of their grid (their own rounding follows), but a float reader (a BatchNormalization
-    that timm's BatchNormAct2d leaves unfolded, a MaxPool into a residual Add, an Add, Concat
-    or Mul) computes on the observer's clipped, rounded values. Measured deploy vs fake-quant
-    cosine with and without that step (tests/zoo, random weights): timm DLA 0.80 vs 0.99996,
-    DPN 0.92 vs 0.9996, HGNetV2 0.93 vs 1.0, FastViT 0.987 vs 0.99997, torchvision Inception-v3
-    (2:4) 0.957 vs 0.9999. Such a conv runs as a float kernel on its quantized input."""
+def _float_read(g: OnnxGraph, y: str, exact: bool) -> bool:
+    """Whether an op other than an input quantizer or an integer average pool reads the conv
+    output ``y`` (past the one Relu/Clip that ``qdq_place._fallback`` puts its Q/DQ behind). The
+    observer's Q/DQ is a step fake-quant does not have: where only input quantizers read the
+    tensor it costs at most one step of their grid (their own rounding follows), and a pool
+    averages it (the last conv before the classifier keeps QLinearConv); a float reader (a
+    BatchNormalization that timm's BatchNormAct2d leaves unfolded, a MaxPool into a residual
+    Add, an Add, Concat or Mul, LayerNorm) computes on the observer's clipped, rounded values.
+    Deploy vs fake-quant cosine with and without the step there (tests/zoo, random weights, ORT):
+    timm DLA 0.80 vs 0.9998, DPN 0.92 vs 0.9996, HGNetV2 0.93 vs 1.0, FastViT 0.987 vs 0.99997,
+    torchvision Inception-v3 (2:4) 0.957 vs 0.9999. Such a conv runs as a float kernel on its
+    quantized input. Not ``exact`` (``finish_deploy``): only an unfolded BatchNormalization
+    reading ``y`` itself counts."""
+    if not exact:
+        return any(u.op_type == "BatchNormalization" for u in g.users(y))
     users = g.users(y)
     if len(users) == 1 and users[0].op_type in ("Relu", "Clip") and not g.is_output(y):
         users = g.users(users[0].output[0])
@@ -260,8 +269,17 @@ def _flat_shuffles(g: OnnxGraph) -> int:
     return done
 
 
-def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, float]]) -> onnx.ModelProto:
-    """The ONNX post-pass (module docstring); edits and returns ``model``."""
+def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, float]],
+                  exact: bool = True) -> onnx.ModelProto:
+    """The ONNX post-pass (module docstring); edits and returns ``model``.
+
+    ``exact``: no rounding step on a tensor that a float op reads (the graph flow: its
+    activation_quant technique trains an output quantizer for every conv output that only int8
+    ops read, and a hook for a tensor a layer and a residual Add both read, so such a step would
+    fall only where the fake-quant model computes in float). False for single-op QAT modules
+    (``nn/convert.py``), which train no such quantizers: every conv with an observer range gets
+    its Q/DQ and residual Adds read the next layer's DQ(Q(t)), so ORT runs QLinearConv and
+    QLinearAdd there at the cost of those steps."""
     g = OnnxGraph(model)
     g.constants_to_initializers()
     g.fold_constants()
@@ -281,22 +299,22 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
                 continue
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
-            obs = observers.get(w) if n.op_type == "Conv" and not _float_read(g, n.output[0]) else None
-            placed += place(g, n.output[0], obs)
+            obs = observers.get(w) if n.op_type == "Conv" and not _float_read(g, n.output[0], exact) else None
+            placed += place(g, n.output[0], obs, exact)
         elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                                            and g.const(p.input[0]) is None for i in n.input[:2]):
             # an activation x activation product (techniques/matmul_quant.py): QLinearMatMul where
             # only quantizers of one qparams read its output, else MatMulIntegerToFloat (Swin-T
             # window shapes, ORT 1.32: QLinearMatMul 0.97x MatMulIntegerToFloat + Q; with a DQ
             # after it 1.15-1.2x MatMulIntegerToFloat, so a float reader gets no Q/DQ here)
-            placed += place(g, n.output[0], None)
+            placed += place(g, n.output[0], None, exact)
         elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                 for i in (n.input if n.op_type == "Concat" else n.input[:2])):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
             # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation;
             # Concat: QLinearConcat, techniques/concat_sites.py)
-            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
+            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None, exact)
     pads = _fuse_pads(g)
     shuffles = _flat_shuffles(g)
     g.finish()
