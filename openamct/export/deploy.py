@@ -16,12 +16,13 @@ of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d`
    (scale, zp), it is quantized right there with THAT quantizer, and again after each op on the
    way so ORT sees DQ -> op -> Q. Exact: those ops map grid values to grid values and Q is
    idempotent on its grid. A Relu/Clip right after the layer is stepped over when the quantizer
-   already clips there, so ORT drops it. Residual Adds also reading that tensor keep reading it
-   unrounded, as the fake-quant model's Add does (where training quantizes such a tensor for
-   the Add, quant/residual.py, the export already has its Q/DQ and ORT runs QLinearAdd); pools
-   read DQ(Q(t)) where that is exact (a MaxPool onto the same quantizer, a pool of a Concat of
-   that grid). Rounding the Add's input too cost timm EfficientViT-MIT's deploy file 0.975
-   cosine to fake-quant (0.99985 without).
+   already clips there, so ORT drops it. Adds also reading that tensor (residual identity
+   branches) read DQ(Q(t)) instead, so they become QLinearAdd: a rounding step fake-quant does
+   not take unless training hooks that tensor (quant/residual.py; then the export already has
+   its Q/DQ). Measured on ResNet-18 b8 both ways: rewired 214 vs 223 ms on a loaded machine,
+   and cosine to the fake-quant model 0.999864 vs 0.999832; torchvision ResNet-50 at 224, ORT
+   2 threads: without it 1.27x the latency (16 float Adds; cosine 0.9986 vs 0.9939); but timm
+   EfficientViT-MIT (a Hardswish output read by a conv and an Add) 0.975 vs 0.99985.
    A constant-zero Pad left between Q and DQ -> Conv is then moved into the conv's padding
    (``_fuse_pads``), after folding the exporter's constant shape ops that compute its pads.
 3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)
@@ -200,7 +201,7 @@ def _add_bound(g: OnnxGraph, add) -> tuple[float, float] | None:
     return lo, hi
 
 
-def _float_read(g: OnnxGraph, y: str, exact: bool) -> bool:
+def _float_read(g: OnnxGraph, y: str, all_observers: bool) -> bool:
     """Whether an op other than an input quantizer or an integer average pool reads the conv
     output ``y`` (past the one Relu/Clip that ``qdq_place._fallback`` puts its Q/DQ behind). The
     observer's Q/DQ is a step fake-quant does not have: where only input quantizers read the
@@ -211,9 +212,9 @@ def _float_read(g: OnnxGraph, y: str, exact: bool) -> bool:
     Deploy vs fake-quant cosine with and without the step there (tests/zoo, random weights, ORT):
     timm DLA 0.80 vs 0.9998, DPN 0.92 vs 0.9996, HGNetV2 0.93 vs 1.0, FastViT 0.987 vs 0.99997,
     torchvision Inception-v3 (2:4) 0.957 vs 0.9999. Such a conv runs as a float kernel on its
-    quantized input. Not ``exact`` (``finish_deploy``): only an unfolded BatchNormalization
-    reading ``y`` itself counts."""
-    if not exact:
+    quantized input. With ``all_observers`` (``finish_deploy``) only an unfolded
+    BatchNormalization reading ``y`` itself counts."""
+    if all_observers:
         return any(u.op_type == "BatchNormalization" for u in g.users(y))
     users = g.users(y)
     if len(users) == 1 and users[0].op_type in ("Relu", "Clip") and not g.is_output(y):
@@ -270,16 +271,14 @@ def _flat_shuffles(g: OnnxGraph) -> int:
 
 
 def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, float]],
-                  exact: bool = True) -> onnx.ModelProto:
+                  all_observers: bool = False) -> onnx.ModelProto:
     """The ONNX post-pass (module docstring); edits and returns ``model``.
 
-    ``exact``: no rounding step on a tensor that a float op reads (the graph flow: its
-    activation_quant technique trains an output quantizer for every conv output that only int8
-    ops read, and a hook for a tensor a layer and a residual Add both read, so such a step would
-    fall only where the fake-quant model computes in float). False for single-op QAT modules
-    (``nn/convert.py``), which train no such quantizers: every conv with an observer range gets
-    its Q/DQ and residual Adds read the next layer's DQ(Q(t)), so ORT runs QLinearConv and
-    QLinearAdd there at the cost of those steps."""
+    ``all_observers``: the observer Q/DQ on a conv output that float ops read too, so ORT runs
+    QLinearConv there at the cost of a rounding step the fake-quant model does not take. For
+    single-op QAT modules (``nn/convert.py``), which train no output quantizers; the graph flow's
+    activation_quant technique trains one for every conv output that only int8 ops read, so
+    there the step would fall only where the fake-quant model computes in float."""
     g = OnnxGraph(model)
     g.constants_to_initializers()
     g.fold_constants()
@@ -299,22 +298,22 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
                 continue
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
-            obs = observers.get(w) if n.op_type == "Conv" and not _float_read(g, n.output[0], exact) else None
-            placed += place(g, n.output[0], obs, exact)
+            obs = observers.get(w) if n.op_type == "Conv" and not _float_read(g, n.output[0], all_observers) else None
+            placed += place(g, n.output[0], obs)
         elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                                            and g.const(p.input[0]) is None for i in n.input[:2]):
             # an activation x activation product (techniques/matmul_quant.py): QLinearMatMul where
             # only quantizers of one qparams read its output, else MatMulIntegerToFloat (Swin-T
             # window shapes, ORT 1.32: QLinearMatMul 0.97x MatMulIntegerToFloat + Q; with a DQ
             # after it 1.15-1.2x MatMulIntegerToFloat, so a float reader gets no Q/DQ here)
-            placed += place(g, n.output[0], None, exact)
+            placed += place(g, n.output[0], None)
         elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                 for i in (n.input if n.op_type == "Concat" else n.input[:2])):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
             # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation;
             # Concat: QLinearConcat, techniques/concat_sites.py)
-            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None, exact)
+            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
     pads = _fuse_pads(g)
     shuffles = _flat_shuffles(g)
     g.finish()

@@ -98,9 +98,8 @@ class OnnxGraph:
     def remove(self, n) -> None:
         self._dead.add(id(n))
 
-    def insert_qdq(self, t: str, scale: float, zp: int, dtype, keep=()) -> None:
-        """Q/DQ on ``t``: its readers read the DQ, but those in ``keep``, which still read ``t``."""
-        users = [u for u in self.users(t) if all(u is not k for k in keep)]
+    def insert_qdq(self, t: str, scale: float, zp: int, dtype) -> None:
+        users = self.users(t)
         s = self.add_init(np.array(scale, np.float32), f"{t}_scale")
         z = self.add_init(np.array(zp, dtype), f"{t}_zero_point")
         dq = self.make("DequantizeLinear", [self.make("QuantizeLinear", [t, s, z]).output[0], s, z])

@@ -166,10 +166,8 @@ def _fallback(g: OnnxGraph, y: str, rng: tuple[float, float]) -> bool:
     return True
 
 
-def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None, exact: bool = True) -> bool:
-    """Quantize the output ``y`` of an integer-capable op; True when it ends up quantized.
-    ``exact`` (``finish_deploy``): residual Adds reading the tensors quantized here keep reading
-    them unrounded, as the fake-quant model's Adds do; else they read DQ(Q(t)) (QLinearAdd)."""
+def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
+    """Quantize the output ``y`` of an integer-capable op; True when it ends up quantized."""
     found = _walk(g, y)
     if found is None:
         return rng is not None and _fallback(g, y, rng)
@@ -179,12 +177,12 @@ def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None, exact: bool = T
         points = [op.output[0] for op in chain[:-1]]  # layer -> Relu -> Q: ORT drops the Relu
     else:
         points = ([y] if chain else []) + [op.output[0] for op in chain[:-1]]
-    for t in points:  # a residual Add reading t adds t itself, as in fake-quant
-        g.insert_qdq(t, p[0], p[1], p[2], keep=[u for u in g.users(t) if exact and u.op_type == "Add"])
+    for t in points:
+        g.insert_qdq(t, p[0], p[1], p[2])
     dq = next((u for u in g.users(q.output[0]) if u.op_type == "DequantizeLinear"), None)
     if dq is None:
         dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
-    for add in [a for a in adds if not exact or a.op_type != "Add"]:  # the pools: exact on DQ(Q(t))
+    for add in adds:
         if add.op_type == "MaxPool" and all(u.op_type == "Concat" for u in g.users(add.output[0])):
             g.insert_qdq(add.output[0], p[0], p[1], p[2])
         for i, name in enumerate(add.input):

@@ -190,7 +190,7 @@ def _convert(model: onnx.ModelProto, fake_path: str, deploy_path: str, where: st
     if any(n.domain == MS_DOMAIN for n in deploy.graph.node) and \
             not any(o.domain == MS_DOMAIN for o in deploy.opset_import):
         deploy.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-    finish_deploy(deploy, observers, exact=False)  # single-op modules train no output quantizers
+    finish_deploy(deploy, observers, all_observers=True)  # single-op modules train no output quantizers
     _stamp([fake, deploy])
     write_onnx(fake, fake_path)
     write_onnx(deploy, deploy_path)

@@ -90,11 +90,7 @@ def test_convert_fake_quant_reproduces_torch_and_deploy_is_integer(trained, tmp_
 
 
 def test_deploy_has_the_graph_flows_layout(trained, tmp_path):
-    """The same network through create_quant_retrain_model: the same kernels but c1's. Its ReLU
-    output, read by c2 and the residual Add, has no quantizer of its own in training (the ReLU
-    module is called twice), so the graph flow's deploy file keeps it float for the Add as its
-    fake-quant file does (c1 a float conv; the two files agree); the single-op path, which
-    trains no output quantizers, rounds it for QLinearConv."""
+    """The same network through create_quant_retrain_model: the same integer kernels."""
     x = torch.randn(8, 3, 12, 12)
     torch.onnx.export(trained, (x,), str(tmp_path / "qat.onnx"), dynamo=False)
     amct.convert_qat_model(str(tmp_path / "qat.onnx"), str(tmp_path / "single"))
@@ -108,13 +104,7 @@ def test_deploy_has_the_graph_flows_layout(trained, tmp_path):
     amct.save_quant_retrain_model(str(tmp_path / "c.json"), graph, str(tmp_path / "r.txt"), str(tmp_path / "graph"),
                                   (x,))
     single = _kernels(str(tmp_path / "single_deploy_model.onnx"), tmp_path)
-    graph_kernels = _kernels(str(tmp_path / "graph_deploy_model.onnx"), tmp_path)
-    common = ("Add", "QGemm", "ReduceMean", "Relu")
-    assert [single.count(k) for k in common] == [graph_kernels.count(k) for k in common] == [1, 1, 1, 1]
-    assert single.count("QLinearConv") == 2 and "FusedConv" not in single
-    assert graph_kernels.count("QLinearConv") == 1 and graph_kernels.count("FusedConv") == 1, graph_kernels
-    fake = _run(str(tmp_path / "graph_fake_quant_model.onnx"), x)
-    assert np.abs(_run(str(tmp_path / "graph_deploy_model.onnx"), x) - fake).max() <= 1e-5 * np.abs(fake).max()
+    assert single == _kernels(str(tmp_path / "graph_deploy_model.onnx"), tmp_path)
 
 
 def test_refusals(tmp_path):
