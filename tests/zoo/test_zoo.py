@@ -23,6 +23,7 @@ import pytest
 
 from tests.zoo.families import FAMILIES, build
 from tests.zoo.lifecycle import CONFIGS, run
+from tests.zoo.vision import WELL_CONDITIONED
 
 pytestmark = pytest.mark.slow
 
@@ -70,10 +71,12 @@ def test_zoo_lifecycle(tmp_path, family, config):
         assert r["sparse"] > 0
     median, worst = FIDELITY.get(family, (0.999, 0.99))
     assert r["fake_vs_torch"] >= median and r["fake_vs_torch_min"] >= worst, r
-    # OpenVINO loads and runs every deploy file; where ORT's run reproduces fake-quant, so does it
+    # OpenVINO loads and runs every deploy file; where ORT's run reproduces fake-quant on a
+    # well-conditioned run, so does it (on a chaotic one, MobileViT int8 at 0.9995 against itself
+    # under input noise, one element its int8 kernels round otherwise carries to the output)
     assert np.isfinite(r["openvino_vs_fake"]), r
     diverges = family in OPENVINO_DIVERGES and OPENVINO_DIVERGES[family][0] in _cpu_flags()
-    if r["deploy_vs_fake"] >= 0.999 and not diverges:
+    if r["deploy_vs_fake"] >= 0.999 and r["self_vs_noise"] >= WELL_CONDITIONED and not diverges:
         assert r["openvino_vs_fake"] >= 0.995, r
     if config.startswith("filter") and family in PRUNE_REACHES:
         assert r["removed_share"] >= 0.25, r
