@@ -22,8 +22,7 @@ residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same 
 no layer produces that a quantized layer and residual Adds read (a block's output, a ReLU
 module's) gets that layer's own input quantizer through a forward hook on the module returning
 it (``quant/residual.py``), and so does every module returning an input of a concat that
-quantized layers read (``concat_sites.py``). Other outputs that pass a ReLU are left to the
-deploy writer.
+quantized layers read (``concat_sites.py``). A conv's ReLU output only float ops read: ``conv_outputs.py``.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
@@ -42,10 +41,8 @@ from torch import nn
 
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.graph import Graph
-from openamct.graph.node import TensorInfo
 from openamct.module_tree import set_module
 from openamct.quant.activation import QuantizedActivation
-from openamct.quant.covering_pool import covers_input
 from openamct.quant.quantizers import ActULQ
 from openamct.quant.residual import OutputQuantHook
 from openamct.record import attrs
@@ -56,8 +53,17 @@ from openamct.techniques.concat_sites import (
     concat_sites,
     hook_sites,
     hooked_tensors,
-    int8_pool,
     record_sites,
+)
+from openamct.techniques.conv_outputs import hook_relus, relu_sites
+from openamct.techniques.tensor_readers import (
+    ACTIVATION_FUNCTIONS,
+    conv_layers,
+    layer_output,
+    passes,
+    producer_layer,
+    readers,
+    residual_sites,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,7 +78,6 @@ KIND_OF = {("torch.nn.modules.activation", "SiLU"): "silu",
            ("transformers.activations", "SiLUActivation"): "silu",
            ("torch.nn.modules.activation", "Hardswish"): "hardswish",  # (torchvision's MobileNetV3)
            ("torch.nn.modules.activation", "Hardsigmoid"): "hardsigmoid"}
-ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes such a class's forward is
 
 
 def _activation(model: nn.Module, graph: Graph, node) -> tuple[str, str] | None:
@@ -92,10 +97,6 @@ def _activation(model: nn.Module, graph: Graph, node) -> tuple[str, str] | None:
     return path, kind
 
 
-# Modules that map a quantized tensor onto the same grid (zero padding: 0 is on every grid).
-PASS_MODULES = {"ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "Identity", "Dropout", "Dropout1d", "Dropout2d",
-                "Dropout3d"}
-
 
 @dataclass(frozen=True)
 class ActDecision:
@@ -114,142 +115,10 @@ class ActState:
     modules: dict[str, QuantizedActivation] = field(default_factory=dict)  # filled by apply
     concats: dict[str, ConcatSite] = field(default_factory=dict)  # concat_sites.py
     concat_hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: site -> quantizer
+    relus: dict[str, str] = field(default_factory=dict)  # ReLU module -> conv (conv_outputs.py)
+    relu_hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: module -> quantizer
     stored: set[str] = field(default_factory=set)  # restore: the record's module names
 
-
-def _producer_layer(graph: Graph, t: TensorInfo, planned: set[str]) -> str | None:
-    p = t.producer
-    if p is None or p.kind != "module":
-        return None
-    if p.name in planned:
-        return p.name
-    if p.op.startswith("BatchNorm") and p.inputs and p.inputs[0].producer is not None:
-        layer = p.inputs[0].producer
-        if layer.kind == "module" and layer.name in planned and graph.single_bn_after(layer.name) == p.name:
-            return layer.name
-    return None
-
-
-PASS_FUNCTIONS = {"flatten", "reshape", "view", "contiguous", "dropout", "identity"}
-# Ops ONNX Runtime runs in int8 between DQ and Q (QLinearAdd/Mul/Concat/(Global)AveragePool)
-INT8_FUNCTIONS = {"add", "mul", "cat", "adaptive_avg_pool2d", "avg_pool2d"}
-INT8_MODULES = {"AdaptiveAvgPool2d", "AvgPool2d"}
-
-
-def _zero_pad(n) -> bool:
-    mode = n.kwargs.get("mode", n.args[2] if len(n.args) > 2 else "constant")
-    value = n.kwargs.get("value", n.args[3] if len(n.args) > 3 else 0.0)
-    return n.op == "pad" and mode == "constant" and (value is None or float(value) == 0.0)
-
-
-def _passes(n) -> bool:
-    if len(n.outputs) != 1 or len(n.inputs) != 1:
-        return False
-    if n.kind == "module":
-        return n.op in PASS_MODULES
-    return n.kind == "function" and (n.op in PASS_FUNCTIONS or _zero_pad(n))
-
-
-def _int8_reader(model: nn.Module, n) -> bool:
-    if n.kind == "module" and n.op in INT8_MODULES:
-        # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input, so
-        # such a pool reads float, unless its window covers the input (HF EfficientNet's
-        # pooler): it is then exported as a GlobalAveragePool (quant/covering_pool.py)
-        pool = model.get_submodule(n.name)
-        return not getattr(pool, "ceil_mode", False) or bool(n.inputs) and covers_input(pool, n.inputs[0].shape)
-    # in-place ones too (HF ResNet's ``hidden += residual``): the quantizers' backward keeps only
-    # their input (quant/ulq_act.py), so their output may be written over
-    return n.kind == "function" and n.op in INT8_FUNCTIONS and not n.kwargs.get("ceil_mode", False)
-
-
-def _readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
-             wrapped: set[str] = frozenset()) -> dict[str, int]:
-    """Who reads ``t``, through ops that keep a quantized tensor on its grid: quantized layers
-    and wrapped activations ("layer", they quantize it themselves), ops ORT runs in int8
-    ("int8"), anything else or a graph output ("other")."""
-    count = {"layer": 0, "int8": 0, "add": 0, "other": int(graph.is_output(t))}
-    for n in graph.users(t):
-        wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ACTIVATION_FUNCTIONS
-        if (n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t:
-            count["layer"] += 1
-        elif _passes(n):
-            for k, v in _readers(graph, n.outputs[0], planned, model, wrapped).items():
-                count[k] += v
-        elif _int8_reader(model, n):
-            # an Add/Mul with a constant runs in float in ORT: counts as "other"
-            binary = n.op in ("add", "mul")
-            count["int8" if not binary or len(n.inputs) == 2 else "other"] += 1
-            count["add"] += int(n.op == "add" and len(n.inputs) == 2)
-        else:
-            count["other"] += 1
-    return count
-
-
-def _residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[str], model: nn.Module) -> list[str] | None:
-    """The quantized layers reading ``t`` when only they and residual Adds or average pools ORT
-    runs in int8 do (through zero padding and reshapes), the Adds not writing into ``t`` and
-    adding a quantized conv's output (``convs``, through its BN); else None. Pools count only
-    where no concat returns ``t`` (concat_sites.py quantizes those): Inception-v3's stem max
-    pool, which its first block's convs and average pool read. Not when the Add's other term is
-    a Linear's: its QGemm outputs float, so the Add stays float in deploy and quantizing ``t``
-    for it would only clip the residual stream (all-MiniLM-L6-v2: cosine to FP32 0.995 -> 0.991)."""
-    layers, adds = [], 0
-
-    def walk(t: TensorInfo) -> bool:
-        nonlocal adds
-        if graph.is_output(t):
-            return False
-        for n in graph.users(t):
-            if n.kind == "module" and n.name in planned and n.inputs and n.inputs[0] is t:
-                layers.append(n.name)
-            elif n.kind == "function" and n.op == "add" and len(n.inputs) == 2 and not (n.inplace and n.inputs[0] is t):
-                other = n.inputs[1] if n.inputs[0] is t else n.inputs[0]
-                if _producer_layer(graph, other, convs) is None:
-                    return False
-                adds += 1
-            elif _passes(n) and not n.op.lower().startswith("dropout"):  # dropout rescales in training
-                if not walk(n.outputs[0]):
-                    return False
-            elif int8_pool(model, n) and len(n.inputs) == 1 and not (t.producer is not None and t.producer.op == "cat"):
-                adds += 1
-            else:
-                return False
-        return True
-
-    return layers if walk(t) and layers and adds else None
-
-
-def _residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: set[str], model: nn.Module) -> dict[str, list[str]]:
-    # layers (through their folded BN) and wrapped activations quantize their outputs themselves
-    own = {id(t) for name in planned if (t := _layer_output(graph, name)) is not None}
-    sites = {}
-    for node in graph:
-        if node.kind == "module" and (node.name in planned or node.name in wrapped):
-            continue
-        for t in node.outputs:
-            if id(t) in own:
-                continue
-            module = graph.module_outputs.get(t.key)
-            layers = _residual_readers(graph, t, planned, convs, model) if module is not None else None
-            if layers and module not in sites:
-                sites[module] = layers
-    return sites
-
-
-def _convs(plans) -> set[str]:
-    return {lp.name for lp in plans if lp.type.startswith("Conv") and not lp.type.startswith("ConvTranspose")}
-
-
-def _layer_output(graph: Graph, name: str) -> TensorInfo | None:
-    """The tensor a conv's output becomes after its folded BatchNorm (if any)."""
-    node = graph.call_of(name)
-    if node is None or len(node.outputs) != 1:
-        return None
-    bn = graph.single_bn_after(name)
-    if bn is None:
-        return node.outputs[0]
-    call = graph.call_of(bn)
-    return call.outputs[0] if call is not None and len(call.outputs) == 1 else None
 
 
 def _entry(record: ScaleOffsetRecord, name: str, op: str):
@@ -284,34 +153,46 @@ class ActivationQuant(Technique):
         for node, path, kind in found:
             if calls[path] > 1:
                 continue  # a module called twice sees two distributions: left float
-            producer = _producer_layer(ctx.graph, node.inputs[0], planned)
+            producer = producer_layer(ctx.graph, node.inputs[0], planned)
             if producer is None:
                 continue
-            r = _readers(ctx.graph, node.outputs[0], planned, ctx.model)
+            r = readers(ctx.graph, node.outputs[0], planned, ctx.model)
             if r["layer"] and (r["int8"] or r["other"]):
                 logger.debug("%s: read by quantized layers and other ops; its output stays float there", path)
             ops[path] = ActDecision(kind, producer, quantize_output=not r["layer"] and r["int8"] > 0)
         # Conv outputs that only int8 ops read (a residual Add, the pool before the classifier):
         # an output quantizer, so QLinearConv has its output scale from training, not from a
         # range observer the fake-quant model does not have.
-        residual = _residual_sites(ctx.graph, planned, set(ops), _convs(self.planned(ctx.plan)), ctx.model)
+        residual = residual_sites(ctx.graph, planned, set(ops), conv_layers(self.planned(ctx.plan)), ctx.model)
         concats = concat_sites(ctx.graph, planned, planned | set(ops) | set(residual), ctx.model)
         hooked = hooked_tensors(ctx.graph, concats)  # a concat's input hook quantizes these
-        outputs = []
+        outputs, rest = [], {}
         for lp in self.planned(ctx.plan):
             if not lp.type.startswith("Conv") or lp.type.startswith("ConvTranspose"):
                 continue
-            t = _layer_output(ctx.graph, lp.name)
+            t = layer_output(ctx.graph, lp.name)
             if t is None or t.key in hooked:
                 continue
-            r = _readers(ctx.graph, t, planned, ctx.model, set(ops))
+            rest[lp.name] = t
+            r = readers(ctx.graph, t, planned, ctx.model, set(ops))
             # Also when quantized layers read it too but the int8 ops are residual Adds: the
             # deploy model's QLinearAdd needs this tensor quantized, and without a quantizer of
             # its own the deploy writer would use the next layer's input quantizer, which the
             # fake-quant model does not apply to the Add (MNIST SE net: 90.9 vs 90.5 %).
             if r["int8"] and not r["other"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
-        return ActState(ops, outputs=outputs, residual=residual, concats=concats)
+                del rest[lp.name]
+        # The rest: a ReLU output only float ops read gets a trained quantizer (conv_outputs.py)
+        wrapped = set(ops)
+        taken = wrapped | set(residual) | {m for s in concats.values() for m in (*s.inputs, s.output) if m}
+
+        def reads_quantized(n, t) -> bool:
+            wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ACTIVATION_FUNCTIONS
+            return bool((n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t)
+
+        done = hooked | {k for k, m in ctx.graph.module_outputs.items() if m in residual}
+        relus = relu_sites(ctx.graph, rest, taken, done, reads_quantized, passes)
+        return ActState(ops, outputs=outputs, residual=residual, concats=concats, relus=relus)
 
     def from_record(self, ctx: Context) -> ActState:
         state = self.plan(ctx)
@@ -319,7 +200,8 @@ class ActivationQuant(Technique):
         return state
 
     def check_restore(self, ctx: Context, state: ActState) -> None:
-        for name in sorted(state.stored - set(state.ops) - set(state.outputs) - set(state.residual) - set(state.concats)):
+        known = set(state.ops) | set(state.outputs) | set(state.residual) | set(state.concats) | set(state.relus)
+        for name in sorted(state.stored - known):
             raise ValueError(f"record_file has activation quantizers for module {name!r}, which this model and "
                              "config do not quantize (record from another model or config?)")
 
@@ -355,10 +237,12 @@ class ActivationQuant(Technique):
                 ctx.parts_of(n).input_on_grid = True
             state.hooked[name] = aq
         state.concat_hooked = hook_sites(ctx.model, state.concats, ctx.parts_of, batch_num)
+        state.relu_hooked = hook_relus(ctx.model, state.relus, batch_num)
 
     def to_record(self, state: ActState, layers, record: ScaleOffsetRecord) -> None:
         found = [(n, w.kind, w.quantizers()) for n, w in state.modules.items()]
         found += [(n, "output", {"q_out": layers[n].out_quant}) for n in state.outputs if n in layers]
+        found += [(n, "relu_output", {"q_out": aq}) for n, aq in state.relu_hooked.items()]
         for name, op, qs in found:
             if not all(bool(q.initialized) for q in qs.values()):
                 continue

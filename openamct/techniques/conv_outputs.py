@@ -1,0 +1,103 @@
+"""A ReLU after a quantized conv whose output only float ops and pools read gets a trained
+quantizer, so that the deploy file's QLinearConv rounds where training did.
+
+Why: ONNX Runtime runs a Conv in integers only when its output is quantized (QLinearConv).
+Where quantized layers read the output, their input quantizer gives it that. torchvision
+MobileNetV3's squeeze-excitation reads a conv's ReLU output with a pool and a Mul, and nothing
+rounds it there. A deploy-only quantizer (from an output observer's range) is a rounding step
+that training never took (timm DLA's deploy file read 0.80 against fake-quant, when those steps
+were on); leaving the conv float gives up its integer kernel (MobileNetV3-Large: 1.18x
+quantize_static's latency). A trained quantizer on the ReLU's output gives both.
+
+Which: a planned, non-transposed conv whose output, after its folded BatchNorm, only a ReLU or
+ReLU6 module reads, and whose ReLU output an op other than a pool reads while no quantized layer
+or wrapped activation does. Reshapes, zero padding, dropout and max pools are looked through
+(they keep a tensor on its grid). Pools alone do not count: the deploy file's observer step
+before a pool is averaged away (the demo's last conv). Nor does a path to a graph output, so the
+model's outputs are never rounded. The ReLU module holds the quantizer (``ActULQ`` with its
+minimum pinned at 0, as ``output_quant``) and a forward hook applies it; ORT drops a Relu before
+a QuantizeLinear of zero point 0.
+
+Not done: a conv that a float op reads directly (ConvNeXt's depthwise conv into a LayerNorm)
+runs as a float kernel in the deploy file. A trained output quantizer there matched ORT's run of
+the deploy file to fake-quant, but OpenVINO 2026.4 then departed on well-conditioned zoo nets
+(torchvision MaxViT 0.93, timm VoVNet and DPN; EdgeNeXt failed to compile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from openamct.graph.graph import Graph
+from openamct.graph.node import Node, TensorInfo
+from openamct.quant.quantizers import ActULQ
+from openamct.quant.residual import OutputQuantHook
+
+__all__ = ["OWN_QUANTIZER", "hook_relus", "relu_sites"]
+
+OWN_QUANTIZER = "output_quant"  # the attribute of a ReLU module holding its quantizer
+MAX_POOLS = {"MaxPool1d", "MaxPool2d", "MaxPool3d", "max_pool1d", "max_pool2d", "max_pool3d"}
+AVG_POOLS = {"AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
+             "AdaptiveAvgPool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+             "adaptive_avg_pool2d", "adaptive_avg_pool3d", "mean"}  # (torchvision MNASNet: x.mean([2, 3]))
+
+
+def _relu(graph: Graph, t: TensorInfo) -> Node | None:
+    """The ReLU (ReLU6) module that alone reads ``t``, called once."""
+    users = graph.users(t)
+    if graph.is_output(t) or len(users) != 1:
+        return None
+    n = users[0]
+    one = len(n.inputs) == 1 and len(n.outputs) == 1 and n.inputs[0] is t
+    return n if n.kind == "module" and n.op in ("ReLU", "ReLU6") and graph.call_of(n.name) is n and one else None
+
+
+def _unrounded(graph: Graph, t: TensorInfo, reads_quantized: Callable[[Node, TensorInfo], bool],
+               passes: Callable[[Node], bool]) -> bool:
+    """Whether an op other than an average pool reads ``t`` while no quantized reader does
+    (through ``passes`` and max pools) and no path reaches a graph output."""
+    found = {"layer": 0, "other": 0, "output": 0}
+
+    def walk(t: TensorInfo) -> None:
+        found["output"] += int(graph.is_output(t))
+        for n in graph.users(t):
+            if reads_quantized(n, t):
+                found["layer"] += 1
+            elif passes(n) or n.op in MAX_POOLS and len(n.outputs) == 1 and len(n.inputs) == 1:
+                walk(n.outputs[0])
+            elif n.op not in AVG_POOLS:
+                found["other"] += 1
+
+    walk(t)
+    return found["other"] > 0 and not found["layer"] and not found["output"]
+
+
+def relu_sites(graph: Graph, convs: dict[str, TensorInfo], taken: set[str], hooked: set[int],
+               reads_quantized: Callable[[Node, TensorInfo], bool], passes: Callable[[Node], bool]) -> dict[str, str]:
+    """ReLU module -> the conv it follows (module docstring). ``convs``: planned conv -> its
+    output after the folded BN, for the convs no other rule quantizes; ``taken``: modules
+    already hooked; ``hooked``: tensor keys already quantized."""
+    sites = {}
+    for name, t in convs.items():
+        relu = _relu(graph, t)
+        if relu is None or relu.name in taken or t.key in hooked or relu.outputs[0].key in hooked:
+            continue
+        if _unrounded(graph, relu.outputs[0], reads_quantized, passes):
+            sites[relu.name] = name
+    return sites
+
+
+def hook_relus(model: nn.Module, relus: dict[str, str], batch_num: int) -> dict[str, ActULQ]:
+    """Each ReLU module gets its own quantizer (min pinned at 0) as ``output_quant`` and an
+    output hook applying it; returns module -> quantizer."""
+    hooked = {}
+    for name in relus:
+        aq = ActULQ(fixed_min=True, batch_num=batch_num)
+        aq.layer_name = f"{name} (output)"
+        module = model.get_submodule(name)
+        module.add_module(OWN_QUANTIZER, aq)
+        module.register_forward_hook(OutputQuantHook(aq))
+        hooked[name] = aq
+    return hooked
