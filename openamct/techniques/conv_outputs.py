@@ -19,9 +19,9 @@ minimum pinned at 0, as ``output_quant``) and a forward hook applies it; ORT dro
 a QuantizeLinear of zero point 0.
 
 Not done: a conv that a float op reads directly (ConvNeXt's depthwise conv into a LayerNorm)
-runs as a float kernel in the deploy file. A trained output quantizer there matched ORT's run of
-the deploy file to fake-quant, but OpenVINO 2026.4 then departed on well-conditioned zoo nets
-(torchvision MaxViT 0.93, timm VoVNet and DPN; EdgeNeXt failed to compile).
+runs as a float kernel in the deploy file. A trained output quantizer there kept ORT's run of the
+deploy file on fake-quant, but OpenVINO 2026.4 then departed from it on torchvision MaxViT (0.93,
+a well-conditioned net) and failed to compile timm EdgeNeXt.
 """
 
 from __future__ import annotations
