@@ -55,7 +55,7 @@ from openamct.techniques.concat_sites import (
     hooked_tensors,
     record_sites,
 )
-from openamct.techniques.conv_outputs import hook_relus, relu_sites
+from openamct.techniques.conv_outputs import hook_relus, norm_read_convs, relu_sites
 from openamct.techniques.tensor_readers import (
     ACTIVATION_FUNCTIONS,
     conv_layers,
@@ -192,6 +192,7 @@ class ActivationQuant(Technique):
 
         done = hooked | {k for k, m in ctx.graph.module_outputs.items() if m in residual}
         relus = relu_sites(ctx.graph, rest, taken, done, reads_quantized, passes)
+        outputs += norm_read_convs(ctx.graph, rest, done, passes)
         return ActState(ops, outputs=outputs, residual=residual, concats=concats, relus=relus)
 
     def from_record(self, ctx: Context) -> ActState:

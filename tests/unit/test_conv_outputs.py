@@ -2,8 +2,9 @@
 conv_outputs.py): the ReLU module's own (min pinned at 0) on its output (torchvision
 MobileNetV3's squeeze-excitation: the pool and the Mul read the ReLU). The deploy file then runs
 that conv as QLinearConv and the SE on uint8, and computes what fake-quant computes; restore
-replays it. A conv whose ReLU output only the next conv reads keeps what it had; a conv a
-LayerNorm reads directly stays float in both files."""
+replays it. A conv whose output only a LayerNorm reads, through a permute (ConvNeXt's depthwise
+conv), gets an output quantizer. A conv whose ReLU output only the next conv reads keeps what it
+had."""
 
 import numpy as np
 import onnxruntime as ort
@@ -92,24 +93,24 @@ def test_float_read_conv_outputs_get_trained_quantizers_recorded_and_replayed(sa
     q = c.act2.output_quant
     assert bool(q.initialized) and q.fixed_min and float(q.clip_min) == 0.0  # uint8 zero point 0: ORT drops the Relu
     assert c.stem.out_quant is None and c.dw.out_quant is None  # a layer (and the ReLU's hook) rounds them
-    assert c.pw.out_quant is None  # read by the LayerNorm: float in both files
+    assert c.pw.out_quant is not None and bool(c.pw.out_quant.initialized)  # read by the LayerNorm
     entries = {pr.selective_prune.name: {a.name: a for a in pr.selective_prune.attr}
                for pr in read_record(saved["rec"]).prune_record if selective_algorithm(pr) == ALGORITHM}
-    assert entries["act2"]["op"].s == b"relu_output" and "pw" not in entries
+    assert entries["act2"]["op"].s == b"relu_output" and entries["pw"]["op"].s == b"output"
     assert (entries["act2"]["scale_d"].floats[0], entries["act2"]["offset_d"].ints[0]) == pytest.approx(q.scale_offset())
     r = amct.restore_compressed_retrain_model(_model(), x, saved["cfg"], saved["rec"], saved["ckpt"], "state_dict")
     r.eval()
     assert sorted(n for n, _ in output_hooks(r)) == ["act2"] and r.act2.output_quant.scale_offset() == q.scale_offset()
+    assert r.pw.out_quant.scale_offset() == c.pw.out_quant.scale_offset()
     with torch.no_grad():
         assert np.array_equal(r(x).numpy(), saved["ref"])
 
 
-def test_deploy_runs_the_se_conv_in_int8_and_matches_fake_quant(saved):
+def test_deploy_runs_every_conv_in_int8_and_matches_fake_quant(saved):
     d, x = saved["dir"], saved["x"]
     fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
     assert_same_quantized_function(saved["ref"], fake, what="fake-quant vs torch")
     assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
     ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
-    assert ops.count("QLinearConv") >= 4 and not {"FusedConv", "Relu"} & set(ops), ops
-    assert ops.count("Conv") == 1, ops  # pw, which the LayerNorm reads
+    assert ops.count("QLinearConv") >= 5 and not {"Conv", "FusedConv", "Relu"} & set(ops), ops
     assert "QLinearMul" in ops and "QLinearGlobalAveragePool" in ops, ops  # the SE on uint8
