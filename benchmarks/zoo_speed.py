@@ -31,10 +31,11 @@ input; openamct writes that pool as GlobalAveragePool).
 
 torchvision (``--torchvision --attention-matmul --no-openvino --runs 10 --repeat 5``; Intel Xeon
 with AMX, 2 cores, a quiet machine, ORT 1.32), openamct/quantize_static latency, median of 5
-paired ratios: ResNet-50 0.972, MobileNetV3-Large 0.983, GoogLeNet 0.966, Inception-v3 (299)
-1.019, DenseNet-121 0.935, ShuffleNetV2 0.891, EfficientNet-B0 0.978, ConvNeXt-T 0.713, Swin-T
-0.854, ViT-B/16 1.274 (its attention is nn.MultiheadAttention's fused path, which stays float).
-No family's optimised graphs tie in op counts.
+paired ratios: ResNet-50 0.974, MobileNetV3-Large 1.006 (0.985 and 0.999 in two other runs:
+a tie within noise; their optimised graphs differ by 5 requantizing Q/DQ pairs where a block's
+output conv and the next block's first conv take different scales), GoogLeNet 0.967,
+Inception-v3 (299) 0.959, DenseNet-121 0.919, ShuffleNetV2 0.883, EfficientNet-B0 0.989,
+ConvNeXt-T 0.730, Swin-T 0.851, ViT-B/16 0.786.
 
 ``--small``: reduced width and depth at 112x112, for a shared 2-core machine where the default
 sizes at 224x224 take minutes per model. Say which one a figure comes from.
