@@ -59,6 +59,7 @@ from openamct.techniques.conv_outputs import hook_relus, norm_read_convs, relu_s
 from openamct.techniques.tensor_readers import (
     ACTIVATION_FUNCTIONS,
     conv_layers,
+    int8_reader,
     layer_output,
     passes,
     producer_layer,
@@ -191,7 +192,8 @@ class ActivationQuant(Technique):
             return bool((n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t)
 
         done = hooked | {k for k, m in ctx.graph.module_outputs.items() if m in residual}
-        relus = relu_sites(ctx.graph, rest, taken, done, reads_quantized, passes)
+        relus = relu_sites(ctx.graph, rest, taken, done, reads_quantized, passes,
+                           lambda n: int8_reader(ctx.model, n) and n.op in ("add", "mul", "cat"))
         outputs += norm_read_convs(ctx.graph, rest, done, passes)
         return ActState(ops, outputs=outputs, residual=residual, concats=concats, relus=relus)
 

@@ -10,8 +10,9 @@ were on); leaving the conv float gives up its integer kernel (MobileNetV3-Large:
 quantize_static's latency). A trained quantizer on the ReLU's output gives both.
 
 Which: a planned, non-transposed conv whose output, after its folded BatchNorm, only a ReLU or
-ReLU6 module reads, and whose ReLU output an op other than a pool reads while no quantized layer
-or wrapped activation does. Reshapes, zero padding, dropout and max pools are looked through
+ReLU6 module reads, and whose ReLU output only ops ORT runs in int8 (an Add, Mul or Concat) and
+pools read: no quantized layer or wrapped activation (they round it themselves) and no float op
+(a layer the config leaves float must read what it read before). Reshapes, zero padding, dropout and max pools are looked through
 (they keep a tensor on its grid). Pools alone do not count: the deploy file's observer step
 before a pool is averaged away (the demo's last conv). Nor does a path to a graph output, so the
 model's outputs are never rounded. The ReLU module holds the quantizer (``ActULQ`` with its
@@ -59,27 +60,30 @@ def _relu(graph: Graph, t: TensorInfo) -> Node | None:
 
 
 def _unrounded(graph: Graph, t: TensorInfo, reads_quantized: Callable[[Node, TensorInfo], bool],
-               passes: Callable[[Node], bool]) -> bool:
-    """Whether an op other than an average pool reads ``t`` while no quantized reader does
-    (through ``passes`` and max pools) and no path reaches a graph output."""
-    found = {"layer": 0, "other": 0, "output": 0}
+               passes: Callable[[Node], bool], int8: Callable[[Node], bool]) -> bool:
+    """Whether ops ORT runs in int8 (``int8``: an Add, Mul or Concat) read ``t`` and nothing
+    else does but pools (through ``passes`` and max pools): no quantized layer, which rounds
+    it itself, and no float op, which must read what fake-quant reads, such as a layer the
+    config leaves float; nor a graph output."""
+    found = {"layer": 0, "int8": 0, "other": 0}
 
     def walk(t: TensorInfo) -> None:
-        found["output"] += int(graph.is_output(t))
+        found["other"] += int(graph.is_output(t))
         for n in graph.users(t):
             if reads_quantized(n, t):
                 found["layer"] += 1
             elif passes(n) or n.op in MAX_POOLS and len(n.outputs) == 1 and len(n.inputs) == 1:
                 walk(n.outputs[0])
             elif n.op not in AVG_POOLS:
-                found["other"] += 1
+                found["int8" if int8(n) else "other"] += 1
 
     walk(t)
-    return found["other"] > 0 and not found["layer"] and not found["output"]
+    return found["int8"] > 0 and not found["layer"] and not found["other"]
 
 
 def relu_sites(graph: Graph, convs: dict[str, TensorInfo], taken: set[str], hooked: set[int],
-               reads_quantized: Callable[[Node, TensorInfo], bool], passes: Callable[[Node], bool]) -> dict[str, str]:
+               reads_quantized: Callable[[Node, TensorInfo], bool], passes: Callable[[Node], bool],
+               int8: Callable[[Node], bool]) -> dict[str, str]:
     """ReLU module -> the conv it follows (module docstring). ``convs``: planned conv -> its
     output after the folded BN, for the convs no other rule quantizes; ``taken``: modules
     already hooked; ``hooked``: tensor keys already quantized."""
@@ -88,7 +92,7 @@ def relu_sites(graph: Graph, convs: dict[str, TensorInfo], taken: set[str], hook
         relu = _relu(graph, t)
         if relu is None or relu.name in taken or t.key in hooked or relu.outputs[0].key in hooked:
             continue
-        if _unrounded(graph, relu.outputs[0], reads_quantized, passes):
+        if _unrounded(graph, relu.outputs[0], reads_quantized, passes, int8):
             sites[relu.name] = name
     return sites
 
