@@ -31,7 +31,7 @@ input; openamct writes that pool as GlobalAveragePool).
 
 torchvision (``--torchvision --attention-matmul --no-openvino --runs 10 --repeat 5``; Intel Xeon
 with AMX, 2 cores, a quiet machine, ORT 1.32), openamct/quantize_static latency, median of 5
-paired ratios: ResNet-50 0.974, MobileNetV3-Large 1.006 (0.985 and 0.999 in two other runs:
+paired ratios: ResNet-50 0.974, MobileNetV3-Large 1.006 (0.985 and 0.988 in two other runs:
 a tie within noise; their optimised graphs differ by 5 requantizing Q/DQ pairs where a block's
 output conv and the next block's first conv take different scales), GoogLeNet 0.967,
 Inception-v3 (299) 0.959, DenseNet-121 0.919, ShuffleNetV2 0.883, EfficientNet-B0 0.989,
