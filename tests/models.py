@@ -373,3 +373,14 @@ class TwoConvNet(nn.Module):
 
     def forward(self, x):
         return self.conv2(self.relu(self.conv1(x)))
+
+
+def spread_bn_scales(model: nn.Module) -> nn.Module:
+    """``model`` in eval mode with its BatchNorm2d scales drawn from [0.5, 2] and no biases
+    changed: the deploy file's int32 biases are then exact, so deploy and fake-quant compare
+    to float noise."""
+    with torch.no_grad():
+        for b in model.modules():
+            if isinstance(b, nn.BatchNorm2d):
+                b.weight.uniform_(0.5, 2.0)
+    return model.eval()

@@ -1,5 +1,5 @@
-"""The runtimes as the tests and benchmarks use them: OpenVINO's CPU plugin, and the graph ONNX
-Runtime optimises a file into (what its kernels run)."""
+"""The runtimes as the tests and benchmarks use them: OpenVINO's CPU plugin, ONNX Runtime on a
+file with input ``x``, and the graph ONNX Runtime optimises a file into (what its kernels run)."""
 
 
 def openvino_compile(path: str, threads: int, **config):
@@ -24,3 +24,14 @@ def ort_optimized_ops(path: str, folder) -> list[str]:
     so.log_severity_level = 3  # the "hardware specific optimizations" warning: we only read the graph
     ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     return [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+
+
+def ort_run(path: str, x, *, optimised: bool = False):
+    """ONNX Runtime's CPU output for the input ``x`` (a tensor): by default with graph
+    optimisations off, so the file's own arithmetic runs, not ORT's fused kernels."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if not optimised:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]

@@ -11,7 +11,6 @@ uint8 in deploy."""
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,8 +22,9 @@ from openamct.quant.residual import output_hooks
 from openamct.record.file_io import read_record
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
+from tests.models import spread_bn_scales
 from tests.numerics import assert_same_quantized_function
-from tests.runtimes import ort_optimized_ops
+from tests.runtimes import ort_optimized_ops, ort_run
 from tests.training import checkpoint_and_save
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
@@ -133,38 +133,19 @@ class Shuffle(nn.Module):
         return self.head(self.u2(self.u1(self.down(self.stem(x)))))
 
 
-def _bn_weights(m):
-    with torch.no_grad():
-        for b in m.modules():
-            if isinstance(b, nn.BatchNorm2d):
-                b.weight.uniform_(0.5, 2.0)  # no biases: the deploy file's int32 biases are exact
-    return m.eval()
-
-
 def _tail():
     torch.manual_seed(0)
-    return _bn_weights(Tail())
+    return spread_bn_scales(Tail())
 
 
 def _shuffle_net():
     torch.manual_seed(0)
-    return _bn_weights(Shuffle())
+    return spread_bn_scales(Shuffle())
 
 
 def _model():
     torch.manual_seed(0)
-    m = InceptionLike()
-    with torch.no_grad():
-        for b in m.modules():
-            if isinstance(b, nn.BatchNorm2d):
-                b.weight.uniform_(0.5, 2.0)  # no biases: the deploy file's int32 biases are exact
-    return m.eval()
-
-
-def _ort(path, x):
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the file's own arithmetic
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    return spread_bn_scales(InceptionLike())
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +200,9 @@ def test_concat_inputs_take_the_readers_quantizer(saved):
 
 def test_deploy_runs_concat_and_pool_on_one_grid_and_matches_fake_quant(saved, x):
     d = saved["dir"]
-    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    fake = ort_run(str(d / "m_fake_quant_model.onnx"), x)
     assert_same_quantized_function(saved["ref"], fake, what="fake-quant vs torch")
-    deploy = _ort(str(d / "m_deploy_model.onnx"), x)
+    deploy = ort_run(str(d / "m_deploy_model.onnx"), x)
     assert_same_quantized_function(fake, deploy, what="deploy vs fake-quant")
     g = onnx.load(str(d / "m_deploy_model.onnx")).graph
     made_by = {o: n for n in g.node for o in n.output}
@@ -280,9 +261,9 @@ def test_pool_read_sites_take_a_trained_quantizer_recorded_and_replayed(tail):
 
 def test_pool_read_sites_run_int8_in_deploy_and_match_fake_quant(tail):
     d, x = tail["dir"], tail["x"]
-    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    fake = ort_run(str(d / "m_fake_quant_model.onnx"), x)
     assert_same_quantized_function(tail["ref"], fake, what="fake-quant vs torch")
-    assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
+    assert_same_quantized_function(fake, ort_run(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
     ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
     assert ops.count("QLinearConcat") == 3 and ops.count("QLinearAveragePool") == 2, ops
     assert ops.count("QLinearGlobalAveragePool") == 1, ops
@@ -298,9 +279,9 @@ def test_shufflenet_split_and_shuffle_run_on_uint8_and_restore(shuffle):
     assert all(hooks[m].quantizer is c.u1.branch.conv.act_quant for m in ("down", "down.b1", "down.b2"))
     assert hooks["u1"].quantizer is hooks["u1.branch"].quantizer is c.u2.branch.conv.act_quant
     assert hooks["u2.branch"].quantizer is c.head.act_quant
-    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    fake = ort_run(str(d / "m_fake_quant_model.onnx"), x)
     assert_same_quantized_function(shuffle["ref"], fake, what="fake-quant vs torch")
-    assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
+    assert_same_quantized_function(fake, ort_run(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
     # the shuffles' 5-D view/transpose/view move H and W as one axis (deploy._flat_shuffles)
     perms = [list(a.ints) for n in onnx.load(str(d / "m_deploy_model.onnx")).graph.node
              if n.op_type == "Transpose" for a in n.attribute if a.name == "perm"]

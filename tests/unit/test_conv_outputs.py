@@ -7,7 +7,6 @@ conv), gets an output quantizer. A conv whose ReLU output only the next conv rea
 had."""
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
@@ -17,8 +16,9 @@ from openamct.quant.residual import output_hooks
 from openamct.record.file_io import read_record
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
+from tests.models import spread_bn_scales
 from tests.numerics import assert_same_quantized_function
-from tests.runtimes import ort_optimized_ops
+from tests.runtimes import ort_optimized_ops, ort_run
 from tests.training import checkpoint_and_save
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
@@ -55,18 +55,7 @@ class Net(nn.Module):
 
 def _model():
     torch.manual_seed(0)
-    m = Net()
-    with torch.no_grad():
-        for b in m.modules():
-            if isinstance(b, nn.BatchNorm2d):
-                b.weight.uniform_(0.5, 2.0)  # no biases: the deploy file's int32 biases are exact
-    return m.eval()
-
-
-def _ort(path, x):
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the file's own arithmetic
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    return spread_bn_scales(Net())
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +97,9 @@ def test_float_read_conv_outputs_get_trained_quantizers_recorded_and_replayed(sa
 
 def test_deploy_runs_every_conv_in_int8_and_matches_fake_quant(saved):
     d, x = saved["dir"], saved["x"]
-    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    fake = ort_run(str(d / "m_fake_quant_model.onnx"), x)
     assert_same_quantized_function(saved["ref"], fake, what="fake-quant vs torch")
-    assert_same_quantized_function(fake, _ort(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
+    assert_same_quantized_function(fake, ort_run(str(d / "m_deploy_model.onnx"), x), what="deploy vs fake-quant")
     ops = ort_optimized_ops(str(d / "m_deploy_model.onnx"), d)
     assert ops.count("QLinearConv") >= 5 and not {"Conv", "FusedConv", "Relu"} & set(ops), ops
     assert "QLinearMul" in ops and "QLinearGlobalAveragePool" in ops, ops  # the SE on uint8

@@ -5,7 +5,6 @@ hook the fake-quant Add read the tensor unclipped and the two files disagreed.""
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from openamct.techniques import activation_quant
 from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
 from tests.numerics import assert_same_quantized_function
+from tests.runtimes import ort_run
 from tests.training import checkpoint_and_save
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
@@ -73,13 +73,6 @@ def _lifecycle(d, x):
     return {"c": c, "dir": d, "cfg": cfg, "rec": rec, "ckpt": ckpt, "ref": ref}
 
 
-def _ort(path, x, optimised=True):
-    so = ort.SessionOptions()
-    if not optimised:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
-
-
 @pytest.fixture(scope="module")
 def x():
     return torch.randn(8, 1, 12, 12, generator=torch.Generator().manual_seed(1)) ** 3  # heavy tails: clipped
@@ -104,10 +97,10 @@ def test_block_outputs_read_by_a_layer_and_an_add_are_hooked(saved):
 
 def test_the_three_models_compute_one_function(saved, x):
     d = saved["dir"]
-    fake = _ort(str(d / "m_fake_quant_model.onnx"), x)
+    fake = ort_run(str(d / "m_fake_quant_model.onnx"), x, optimised=True)
     assert_same_quantized_function(saved["ref"], fake, what="fake-quant vs torch")
     # all fusions off: the deploy file's own arithmetic, float kernels between its Q/DQ
-    deploy = _ort(str(d / "m_deploy_model.onnx"), x, optimised=False)
+    deploy = ort_run(str(d / "m_deploy_model.onnx"), x, optimised=False)
     assert_same_quantized_function(fake, deploy, what="deploy vs fake-quant")
     nodes = onnx.load(str(d / "m_deploy_model.onnx")).graph.node
     made_by = {o: n.op_type for n in nodes for o in n.output}
@@ -129,8 +122,8 @@ def test_without_the_hooks_deploy_and_fake_quant_disagree(tmp_path, x, monkeypat
 
     monkeypatch.setattr(activation_quant.ActivationQuant, "plan", no_residual)
     _lifecycle(tmp_path, x)
-    fake = _ort(str(tmp_path / "m_fake_quant_model.onnx"), x)
-    deploy = _ort(str(tmp_path / "m_deploy_model.onnx"), x, optimised=False)
+    fake = ort_run(str(tmp_path / "m_fake_quant_model.onnx"), x, optimised=True)
+    deploy = ort_run(str(tmp_path / "m_deploy_model.onnx"), x, optimised=False)
     with pytest.raises(AssertionError):
         assert_same_quantized_function(fake, deploy, what="deploy vs fake-quant")
 
