@@ -39,14 +39,13 @@ from openamct.graph.graph import Graph
 from openamct.graph.node import Node, TensorInfo
 from openamct.quant.quantizers import ActULQ
 from openamct.quant.residual import OutputQuantHook
+from openamct.techniques.concat_sites import AVG_POOLS, MAX_POOLS
 
 __all__ = ["OWN_QUANTIZER", "hook_relus", "norm_read_convs", "relu_sites"]
 
 OWN_QUANTIZER = "output_quant"  # the attribute of a ReLU module holding its quantizer
-MAX_POOLS = {"MaxPool1d", "MaxPool2d", "MaxPool3d", "max_pool1d", "max_pool2d", "max_pool3d"}
-AVG_POOLS = {"AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
-             "AdaptiveAvgPool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-             "adaptive_avg_pool2d", "adaptive_avg_pool3d", "mean"}  # (torchvision MNASNet: x.mean([2, 3]))
+# concat_sites' average pools, and a mean over the spatial axes (torchvision MNASNet: x.mean([2, 3]))
+POOLS = AVG_POOLS | {"AdaptiveAvgPool1d", "AdaptiveAvgPool3d", "adaptive_avg_pool1d", "adaptive_avg_pool3d", "mean"}
 
 
 def _relu(graph: Graph, t: TensorInfo) -> Node | None:
@@ -74,7 +73,7 @@ def _unrounded(graph: Graph, t: TensorInfo, reads_quantized: Callable[[Node, Ten
                 found["layer"] += 1
             elif passes(n) or n.op in MAX_POOLS and len(n.outputs) == 1 and len(n.inputs) == 1:
                 walk(n.outputs[0])
-            elif n.op not in AVG_POOLS:
+            elif n.op not in POOLS:
                 found["int8" if int8(n) else "other"] += 1
 
     walk(t)
