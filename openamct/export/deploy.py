@@ -21,8 +21,9 @@ of the float weight bytes; Linear layers run as 2-D Gemm (``ExportLayer.gemm_2d`
    not take unless training hooks that tensor (quant/residual.py; then the export already has
    its Q/DQ). Measured on ResNet-18 b8 both ways: rewired 214 vs 223 ms on a loaded machine,
    and cosine to the fake-quant model 0.999864 vs 0.999832; torchvision ResNet-50 at 224, ORT
-   2 threads: without it 1.27x the latency (16 float Adds; cosine 0.9986 vs 0.9939); but timm
-   EfficientViT-MIT (a Hardswish output read by a conv and an Add) 0.975 vs 0.99985.
+   2 threads: without it 1.27x the latency (16 float Adds; cosine 0.9986 vs 0.9939). Training
+   hooks every such tensor it can name (a module's output, also a wrapped activation's and a
+   conv's through an Identity), so this now rewires only what it cannot.
    A constant-zero Pad left between Q and DQ -> Conv is then moved into the conv's padding
    (``_fuse_pads``), after folding the exporter's constant shape ops that compute its pads.
 3. Otherwise a Conv's output gets its trained output-observer range (clipped at 0 behind a Relu)

@@ -371,5 +371,8 @@ def fold_activations(model: nn.Module, make: Callable[[float, int], nn.Module]) 
     QDQAct); returns how many."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedActivation)]
     for name, m in found:
-        set_module(model, name, m.with_quantizers(make).eval())
+        new = m.with_quantizers(make).eval()
+        for hook in m._forward_hooks.values():  # a residual site's output hook (quant/residual.py)
+            new.register_forward_hook(hook)
+        set_module(model, name, new)
     return len(found) + swap_hook_quantizers(model, make) + swap_matmul_quantizers(model, make)

@@ -20,9 +20,10 @@ A quantized conv whose output (after its folded BN) only such ops read (a residu
 in-place one, the average pool before a classifier, concat), or only quantized layers and
 residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same reason. A tensor
 no layer produces that a quantized layer and residual Adds read (a block's output, a ReLU
-module's) gets that layer's own input quantizer through a forward hook on the module returning
-it (``quant/residual.py``), and so does every module returning an input of a concat that
-quantized layers read (``concat_sites.py``). A conv's ReLU output only float ops read: ``conv_outputs.py``.
+module's, a wrapped activation's, a conv's through an ``nn.Identity``) gets that layer's own input
+quantizer through a forward hook on the module returning it (``quant/residual.py``), and so does
+every module returning an input of a concat that quantized layers read (``concat_sites.py``); a
+conv whose output such a hook rounds gets no output quantizer of its own. A conv's ReLU output only float ops read: ``conv_outputs.py``.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
@@ -65,6 +66,7 @@ from openamct.techniques.tensor_readers import (
     producer_layer,
     readers,
     residual_sites,
+    same_values,
 )
 
 logger = logging.getLogger(__name__)
@@ -167,12 +169,17 @@ class ActivationQuant(Technique):
         residual = residual_sites(ctx.graph, planned, set(ops), conv_layers(self.planned(ctx.plan)), ctx.model)
         concats = concat_sites(ctx.graph, planned, planned | set(ops) | set(residual), ctx.model)
         hooked = hooked_tensors(ctx.graph, concats)  # a concat's input hook quantizes these
+        # ... and a residual site's hook these: a conv whose output (through an Identity) is one
+        # needs no quantizer of its own (two in a row round twice, and ORT merges the pair)
+        on_sites = {k for k, m in ctx.graph.module_outputs.items() if m in residual}
         outputs, rest = [], {}
         for lp in self.planned(ctx.plan):
             if not lp.type.startswith("Conv") or lp.type.startswith("ConvTranspose"):
                 continue
             t = layer_output(ctx.graph, lp.name)
             if t is None or t.key in hooked:
+                continue
+            if any(u.key in on_sites for u in same_values(ctx.graph, t, ctx.model)):
                 continue
             rest[lp.name] = t
             r = readers(ctx.graph, t, planned, ctx.model, set(ops))

@@ -17,7 +17,7 @@ from openamct.quant.covering_pool import covers_input
 from openamct.techniques.concat_sites import int8_pool
 
 __all__ = ["ACTIVATION_FUNCTIONS", "PASS_MODULES", "conv_layers", "int8_reader", "layer_output", "passes",
-           "producer_layer", "readers", "residual_sites"]
+           "producer_layer", "readers", "residual_sites", "same_values"]
 
 ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes a wrapped activation class's forward is
 
@@ -28,6 +28,8 @@ PASS_MODULES = {"ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "Identity", "Dropout", "D
 
 def producer_layer(graph: Graph, t: TensorInfo, planned: set[str]) -> str | None:
     p = t.producer
+    while p is not None and p.kind == "module" and p.op == "Identity" and len(p.inputs) == 1:
+        p = p.inputs[0].producer  # timm's ConvNormAct without an activation: nn.Identity()
     if p is None or p.kind != "module":
         return None
     if p.name in planned:
@@ -94,6 +96,28 @@ def readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
     return count
 
 
+def _no_op_dropout(model: nn.Module, n) -> bool:
+    """A Dropout module with p = 0 (timm's ConvNormAct before every conv): training rescales
+    nothing through it; any other dropout rescales what it passes in training."""
+    return n.kind == "module" and float(getattr(model.get_submodule(n.name), "p", 1.0)) == 0.0
+
+
+def _keeps_values(model: nn.Module, n) -> bool:
+    """``passes``, and in training too: a dropout only with p = 0."""
+    return passes(n) and (not n.op.lower().startswith("dropout") or _no_op_dropout(model, n))
+
+
+def same_values(graph: Graph, t: TensorInfo, model: nn.Module) -> list[TensorInfo]:
+    """``t`` and every tensor reached from it through ops that keep its values (identities,
+    no-op dropouts, reshapes), in training as in eval."""
+    found, todo = [], [t]
+    while todo:
+        t = todo.pop()
+        found.append(t)
+        todo += [n.outputs[0] for n in graph.users(t) if _keeps_values(model, n)]
+    return found
+
+
 def residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[str], model: nn.Module) -> list[str] | None:
     """The quantized layers reading ``t`` when only they and residual Adds or average pools ORT
     runs in int8 do (through zero padding and reshapes), the Adds not writing into ``t`` and
@@ -116,7 +140,7 @@ def residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[
                 if producer_layer(graph, other, convs) is None:
                     return False
                 adds += 1
-            elif passes(n) and not n.op.lower().startswith("dropout"):  # dropout rescales in training
+            elif _keeps_values(model, n):
                 if not walk(n.outputs[0]):
                     return False
             elif int8_pool(model, n) and len(n.inputs) == 1 and not (t.producer is not None and t.producer.op == "cat"):
@@ -131,17 +155,19 @@ def residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[
 def residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: set[str], model: nn.Module) -> dict[str, list[str]]:
     # layers (through their folded BN) and wrapped activations quantize their outputs themselves
     own = {id(t) for name in planned if (t := layer_output(graph, name)) is not None}
-    sites = {}
+    sites, covered = {}, set()
     for node in graph:
-        if node.kind == "module" and (node.name in planned or node.name in wrapped):
+        if node.kind == "module" and node.name in planned:
             continue
         for t in node.outputs:
-            if id(t) in own:
+            if id(t) in own or id(t) in covered:
                 continue
             module = graph.module_outputs.get(t.key)
             layers = residual_readers(graph, t, planned, convs, model) if module is not None else None
             if layers and module not in sites:
                 sites[module] = layers
+                # the hook puts these on the grid too (an Identity or no-op Dropout after the site)
+                covered |= {id(u) for u in same_values(graph, t, model)}
     return sites
 
 

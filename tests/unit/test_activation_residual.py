@@ -1,0 +1,128 @@
+"""A tensor that a quantized conv and a residual Add read gets that conv's input quantizer in
+training too, so the deploy file's QLinearAdd reads what the fake-quant Add reads: also where
+the tensor is a wrapped activation's output (a Hardswish stem), or a conv's output through an
+``nn.Identity`` activation and a ``Dropout(p=0)`` (timm's ConvNormAct, as in EfficientViT-MIT).
+Such a conv gets no output quantizer of its own: two in a row would round twice, and ONNX
+Runtime's fused kernels merge the pair."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import openamct as amct
+from openamct.compressed.layer import CompressedLayer
+from openamct.quant.activation import QuantizedActivation
+from openamct.quant.residual import output_hooks
+from tests.numerics import cosine
+from tests.runtimes import ort_run
+from tests.training import checkpoint_and_save
+
+CFG = """retrain_data_quant_config: { ulq_quantize: { } }
+retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
+"""
+
+
+class ConvNormAct(nn.Module):
+    """timm's efficientvit_mit ConvNormAct: dropout, conv, BN, an activation or nn.Identity()."""
+
+    def __init__(self, cin: int, cout: int, k: int = 1, groups: int = 1, act: bool = True) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.0)
+        self.conv = nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False)
+        self.norm = nn.BatchNorm2d(cout)
+        self.act = nn.Hardswish() if act else nn.Identity()
+
+    def forward(self, x):
+        return self.act(self.norm(self.conv(self.dropout(x))))
+
+
+class Block(nn.Module):
+    """Depthwise then pointwise (no activation after it), with or without the residual Add."""
+
+    def __init__(self, cin: int, cout: int, residual: bool) -> None:
+        super().__init__()
+        self.depth = ConvNormAct(cin, cin, 3, groups=cin)
+        self.point = ConvNormAct(cin, cout, act=False)
+        self.shortcut = nn.Identity() if residual else None
+
+    def forward(self, x):
+        res = self.point(self.depth(x))
+        return res + self.shortcut(x) if self.shortcut is not None else res
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = ConvNormAct(3, 8, 3)
+        self.b0 = Block(8, 8, residual=True)  # reads the stem's Hardswish: conv and Add
+        self.b1 = Block(8, 16, residual=False)  # its output (through Identity): b2's conv and Add
+        self.b2 = Block(16, 16, residual=True)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.b2(self.b1(self.b0(self.stem(x))))).flatten(1))
+
+
+def _model():
+    torch.manual_seed(0)
+    m = Net()
+    with torch.no_grad():
+        for bn in m.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.weight.uniform_(0.75, 1.25)
+                bn.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ar")
+    cfg, rec = str(d / "q.cfg"), str(d / "rec.txt")
+    with open(cfg, "w") as f:
+        f.write(CFG)
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    c = amct.create_compressed_retrain_model(_model(), x, cfg, rec)
+    c.train()
+    opt = torch.optim.SGD(c.parameters(), lr=1e-3)
+    for _ in range(2):
+        loss = c(torch.randn(4, 3, 16, 16)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ref, ckpt = checkpoint_and_save(c, d, x, rec)
+    return {"dir": d, "cfg": cfg, "rec": rec, "ckpt": ckpt, "x": x, "ref": ref, "model": c}
+
+
+def test_residual_tensors_take_the_reading_conv_quantizer(saved):
+    c = saved["model"]
+    assert isinstance(c.stem.act, QuantizedActivation)
+    hooks = dict(output_hooks(c))
+    assert hooks["stem.act"].quantizer is c.b0.depth.conv.act_quant  # a wrapped activation's output
+    assert hooks["b1.point.act"].quantizer is c.b2.depth.conv.act_quant  # a conv's, through Identity
+    # one hook per tensor: not again on the Identity and Dropout that pass it on
+    assert sorted(hooks) == ["b1.point.act", "stem.act"]
+    assert c.b0.depth.conv.input_on_grid and c.b2.depth.conv.input_on_grid
+    # b1.point's output is the hooked tensor: no quantizer of its own
+    assert c.b1.point.conv.out_quant is None
+    assert c.b0.point.conv.out_quant is not None  # read by b0's Add alone: its own one
+
+
+def test_fake_quant_and_deploy_compute_the_training_function(saved):
+    d, x = saved["dir"], saved["x"]
+    fake = ort_run(d / "m_fake_quant_model.onnx", x)
+    deploy = ort_run(d / "m_deploy_model.onnx", x, optimised=True)  # ORT's fused int8 kernels
+    scale = np.abs(saved["ref"]).max()
+    assert np.abs(fake - saved["ref"]).max() <= 1e-4 * scale
+    assert cosine(deploy, fake) >= 0.9999
+
+
+def test_restore_replays_the_hooks(saved):
+    r = amct.restore_compressed_retrain_model(_model(), saved["x"], saved["cfg"], saved["rec"], saved["ckpt"],
+                                              "state_dict")
+    r.eval()
+    with torch.no_grad():
+        assert np.array_equal(r(saved["x"]).numpy(), saved["ref"])
+    assert sorted(n for n, _ in output_hooks(r)) == ["b1.point.act", "stem.act"]
+    assert all(isinstance(m, CompressedLayer) for m in (r.stem.conv, r.b2.point.conv))
