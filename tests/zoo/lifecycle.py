@@ -39,8 +39,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def _train(model, inputs: dict, steps: int = 2) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+def _train(model, inputs: dict, steps: int = 2, lr: float = 1e-3) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         out = first_tensor(model(**inputs))
@@ -60,7 +60,7 @@ def _ort(path: str, batches: list[dict]) -> list[np.ndarray]:
 
 
 def _openvino(path: str, batches: list[dict]) -> list[np.ndarray]:
-    """The same file in OpenVINO (issue 14: users on Intel CPUs run our deploy files there)."""
+    """The same file in OpenVINO (users on Intel CPUs run our deploy files there)."""
     compiled = openvino_compile(path, threads=1)
     names = [next(n for n in i.get_names() if n in batches[0]) for i in compiled.inputs]
     return [compiled({n: b[n].numpy() for n in names})[compiled.outputs[0]] for b in batches]
@@ -112,7 +112,8 @@ def removed_share(weights: dict[str, int], compressed) -> float:
     return 1 - sum(m.weight.numel() for m in layers.values()) / max(sum(weights[n] for n in layers), 1)
 
 
-def run(build, config: str, folder: str) -> dict:
+def run(build, config: str, folder: str, lr: float = 1e-3) -> dict:
+    """``lr``: the SGD steps' learning rate (``_train``)."""
     model, inputs = build()
     weights = weight_sizes(model)
     batches = _batches(inputs)
@@ -121,7 +122,7 @@ def run(build, config: str, folder: str) -> dict:
         f.write(config)
     rec, ckpt = os.path.join(folder, "record.txt"), os.path.join(folder, "ckpt.pth")
     c = amct.create_compressed_retrain_model(model, inputs, cfg, rec)
-    _train(c, inputs)
+    _train(c, inputs, lr=lr)
     with torch.no_grad():
         ref = first_tensor(c(**inputs)).numpy()
     torch.save({"state_dict": c.state_dict()}, ckpt)

@@ -17,10 +17,10 @@ ZOOS = {"hf": "tests.zoo.families", "torchvision": "tests.zoo.torchvision_famili
         "timm": "tests.zoo.timm_families"}
 
 
-def _row(build, family: str, name: str, cfg: str) -> str:
+def _row(build, family: str, name: str, cfg: str, lr: float = 1e-3) -> str:
     try:
         with tempfile.TemporaryDirectory() as d:
-            r = run(lambda: build(family), cfg, d)
+            r = run(lambda: build(family), cfg, d, lr=lr)
     except Exception as exc:  # the table reports failures, it does not stop at them
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/openamct/" in f.filename
                   or "/tests/" in f.filename]
@@ -42,4 +42,4 @@ if __name__ == "__main__":
     print("|---|---|---|---|---|---|---|---|---|---|")
     for family in families:
         for name, cfg in CONFIGS.items():
-            print(_row(zoo.build, family, name, cfg), flush=True)
+            print(_row(zoo.build, family, name, cfg, getattr(zoo, "TRAIN_LR", {}).get(family, 1e-3)), flush=True)

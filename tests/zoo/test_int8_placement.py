@@ -2,8 +2,8 @@
 model, no float op that ORT has an int8 kernel for (Conv, MatMul, Sigmoid, Mul, Add,
 GlobalAveragePool) sits between two quantized layers, i.e. reads (through float ops) a
 DequantizeLinear and feeds (through float ops) a QuantizeLinear. Such an op costs a DQ/Q round
-trip and runs in float where quantize_static's graph stays in int8 (EfficientNet before issue 14:
-65 float Sigmoid + 65 float Mul; MobileNetV2: 9 float residual Adds). Structural, so exact on
+trip and runs in float where quantize_static's graph stays in int8 (EfficientNet without the
+activation quantizers: 65 float Sigmoid + 65 float Mul; MobileNetV2: 9 float residual Adds). Structural, so exact on
 every CPU: the optimised graph depends on the ORT version, not on the float sums.
 """
 

@@ -1,4 +1,4 @@
-"""Filter pruning's reach (issue 15) on the default-size configs of the families whose tiny zoo
+"""Filter pruning's reach on the default-size configs of the families whose tiny zoo
 configs misstate the proportions that decide it.
 
 In the tiny zoo (families.py: hidden 32, FFN 2x hidden, 4 heads) the layers no filter-prune

@@ -1,4 +1,4 @@
-"""22 Hugging Face families x 3 configs through the whole lifecycle (issue 13): create, a few
+"""22 Hugging Face families x 3 configs through the whole lifecycle: create, a few
 SGD steps, eval, checkpoint, restore (outputs equal, asserted in lifecycle.run), save, and both
 ONNX files run in ONNX Runtime. Small configs with re-initialised random weights
 (families.py): a run takes a second or two.
@@ -14,7 +14,7 @@ asserts the median cosine >= 0.999 and the worst >= 0.99: a real regression fail
 rare flip on one batch fails neither, on any CPU. deploy vs fake-quant is reported, not
 bounded: on random-weight deep CNNs (MobileNetV1/V2, MobileViT) the int32 bias rounding and the
 integer kernels' rounding amplify, through layers that quantize on a midpoint, into cosines of
-0.85-0.99 (docs/limits.md). The same deploy file runs in OpenVINO (issue 14); where ORT's run
+0.85-0.99 (docs/limits.md). The same deploy file runs in OpenVINO; where ORT's run
 agrees with fake-quant (cosine >= 0.999: measured OpenVINO >= 0.9983 there), OpenVINO must too.
 """
 
@@ -27,7 +27,7 @@ from tests.zoo.vision import WELL_CONDITIONED
 
 pytestmark = pytest.mark.slow
 
-# Families where prune_ratio 0.3 reaches >= 25 % of the compressed layers' weight (issue 15): the
+# Families where prune_ratio 0.3 reaches >= 25 % of the compressed layers' weight: the
 # filter-prune groups get through norms over the channels, GRN, LayerScale, permutes and whole
 # attention heads, GPT-2's fused c_attn split and T5's per-head relative position bias. ALBERT is
 # out (shared layers). ViT/DeiT/Wav2Vec2/Whisper reach ~20 % here, because their unpruned front
