@@ -18,12 +18,14 @@ Dropout/Identity/Flatten/Reshape.
 
 A quantized conv whose output (after its folded BN) only such ops read (a residual Add, also an
 in-place one, the average pool before a classifier, concat), or only quantized layers and
-residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same reason. A tensor
-no layer produces that a quantized layer and residual Adds read (a block's output, a ReLU
-module's, a wrapped activation's, a conv's through an ``nn.Identity``) gets that layer's own input
-quantizer through a forward hook on the module returning it (``quant/residual.py``), and so does
-every module returning an input of a concat that quantized layers read (``concat_sites.py``); a
-conv whose output such a hook rounds gets no output quantizer of its own. A conv's ReLU output only float ops read: ``conv_outputs.py``.
+residual Adds, gets an output quantizer (``LayerParts.out_quant``) for the same reason: in the
+second case the readers' own input quantizer, which they then do not apply again (one grid, so
+ORT runs no requantizing Q/DQ pair between a block's last conv and the next block; also through
+an ``nn.Identity`` activation or a ``Dropout(p=0)``, timm's ConvNormAct). A tensor no layer
+produces that a quantized layer and residual Adds read (a block's output, a ReLU module's, a
+wrapped activation's) gets that layer's input quantizer through a forward hook on the module
+returning it (``quant/residual.py``), and so does every module returning an input of a concat
+that quantized layers read (``concat_sites.py``). A conv's ReLU output only float ops read: ``conv_outputs.py``.
 
 Create and restore build the same structure from the plan and the graph; the clips come from
 the first batches (create) or the checkpoint (restore), as for ``Quantization``. The record lists
@@ -65,6 +67,7 @@ from openamct.techniques.tensor_readers import (
     passes,
     producer_layer,
     readers,
+    residual_readers,
     residual_sites,
     same_values,
 )
@@ -112,6 +115,9 @@ class ActDecision:
 class ActState:
     ops: dict[str, ActDecision]
     outputs: list[str] = field(default_factory=list)  # conv layers given an output quantizer
+    # those of them whose output only quantized layers and residual Adds read -> those layers:
+    # the output quantizer is theirs (one grid, no requantize between them)
+    shared: dict[str, list[str]] = field(default_factory=dict)
     # module whose output a layer and residual Adds read -> those layers (quant/residual.py)
     residual: dict[str, list[str]] = field(default_factory=dict)
     hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: module -> quantizer
@@ -172,7 +178,8 @@ class ActivationQuant(Technique):
         # ... and a residual site's hook these: a conv whose output (through an Identity) is one
         # needs no quantizer of its own (two in a row round twice, and ORT merges the pair)
         on_sites = {k for k, m in ctx.graph.module_outputs.items() if m in residual}
-        outputs, rest = [], {}
+        outputs, rest, shared = [], {}, {}
+        convs = conv_layers(self.planned(ctx.plan))
         for lp in self.planned(ctx.plan):
             if not lp.type.startswith("Conv") or lp.type.startswith("ConvTranspose"):
                 continue
@@ -190,6 +197,8 @@ class ActivationQuant(Technique):
             if r["int8"] and not r["other"] and (not r["layer"] or r["add"] == r["int8"]):
                 outputs.append(lp.name)
                 del rest[lp.name]
+                if r["layer"] and (layers := residual_readers(ctx.graph, t, planned, convs, ctx.model)):
+                    shared[lp.name] = layers
         # The rest: a ReLU output only float ops read gets a trained quantizer (conv_outputs.py)
         wrapped = set(ops)
         taken = wrapped | set(residual) | {m for s in concats.values() for m in (*s.inputs, s.output) if m}
@@ -202,7 +211,7 @@ class ActivationQuant(Technique):
         relus = relu_sites(ctx.graph, rest, taken, done, reads_quantized, passes,
                            lambda n: int8_reader(ctx.model, n) and n.op in ("add", "mul", "cat"))
         outputs += norm_read_convs(ctx.graph, rest, done, passes)
-        return ActState(ops, outputs=outputs, residual=residual, concats=concats, relus=relus)
+        return ActState(ops, outputs=outputs, shared=shared, residual=residual, concats=concats, relus=relus)
 
     def from_record(self, ctx: Context) -> ActState:
         state = self.plan(ctx)
@@ -233,8 +242,15 @@ class ActivationQuant(Technique):
             set_module(ctx.model, name, wrapper)
             state.modules[name] = wrapper
         for name in state.outputs:
-            aq = ActULQ(fixed_min=False, batch_num=batch_num)
-            aq.layer_name = f"{name} (output)"
+            readers = [ctx.parts_of(n) for n in state.shared.get(name, ())]
+            qs = {id(p.act_quant): p.act_quant for p in readers}
+            if len(qs) == 1 and None not in qs.values():
+                (aq,) = qs.values()
+                for p in readers:
+                    p.input_on_grid = True
+            else:
+                aq = ActULQ(fixed_min=False, batch_num=batch_num)
+                aq.layer_name = f"{name} (output)"
             ctx.parts_of(name).out_quant = aq
         for name, layers in state.residual.items():
             qs = {id(ctx.parts_of(n).act_quant): ctx.parts_of(n).act_quant for n in layers}

@@ -17,7 +17,7 @@ from openamct.quant.covering_pool import covers_input
 from openamct.techniques.concat_sites import int8_pool
 
 __all__ = ["ACTIVATION_FUNCTIONS", "PASS_MODULES", "conv_layers", "int8_reader", "layer_output", "passes",
-           "producer_layer", "readers", "residual_sites", "same_values"]
+           "producer_layer", "readers", "residual_readers", "residual_sites", "same_values"]
 
 ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes a wrapped activation class's forward is
 
@@ -154,7 +154,8 @@ def residual_readers(graph: Graph, t: TensorInfo, planned: set[str], convs: set[
 
 def residual_sites(graph: Graph, planned: set[str], wrapped: set[str], convs: set[str], model: nn.Module) -> dict[str, list[str]]:
     # layers (through their folded BN) and wrapped activations quantize their outputs themselves
-    own = {id(t) for name in planned if (t := layer_output(graph, name)) is not None}
+    own = {id(u) for name in planned if (t := layer_output(graph, name)) is not None
+           for u in same_values(graph, t, model)}  # (also through an Identity or a no-op Dropout)
     sites, covered = {}, set()
     for node in graph:
         if node.kind == "module" and node.name in planned:

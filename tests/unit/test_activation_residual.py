@@ -3,9 +3,12 @@ training too, so the deploy file's QLinearAdd reads what the fake-quant Add read
 the tensor is a wrapped activation's output (a Hardswish stem), or a conv's output through an
 ``nn.Identity`` activation and a ``Dropout(p=0)`` (timm's ConvNormAct, as in EfficientViT-MIT).
 Such a conv gets no output quantizer of its own: two in a row would round twice, and ONNX
-Runtime's fused kernels merge the pair."""
+Runtime's fused kernels merge the pair. A conv whose own output (after its BN, as in
+torchvision's MobileNetV3 and MNASNet) they read has that quantizer as its output quantizer:
+one grid, and no requantizing Q/DQ pair between the conv and its readers."""
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -38,12 +41,14 @@ class ConvNormAct(nn.Module):
 
 
 class Block(nn.Module):
-    """Depthwise then pointwise (no activation after it), with or without the residual Add."""
+    """Depthwise then pointwise (no activation after it), with or without the residual Add; the
+    pointwise one timm's ConvNormAct or torchvision's plain conv + BN."""
 
-    def __init__(self, cin: int, cout: int, residual: bool) -> None:
+    def __init__(self, cin: int, cout: int, residual: bool, plain: bool = False) -> None:
         super().__init__()
         self.depth = ConvNormAct(cin, cin, 3, groups=cin)
-        self.point = ConvNormAct(cin, cout, act=False)
+        self.point = (nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout)) if plain
+                      else ConvNormAct(cin, cout, act=False))
         self.shortcut = nn.Identity() if residual else None
 
     def forward(self, x):
@@ -58,11 +63,17 @@ class Net(nn.Module):
         self.b0 = Block(8, 8, residual=True)  # reads the stem's Hardswish: conv and Add
         self.b1 = Block(8, 16, residual=False)  # its output (through Identity): b2's conv and Add
         self.b2 = Block(16, 16, residual=True)
+        self.b3 = Block(16, 16, residual=False, plain=True)  # its conv's output: b4's conv and Add
+        self.b4 = Block(16, 16, residual=True)
+        # (a conv reads the last sum: one the pool read would get a range from the Add's inputs in
+        # deploy, a rounding step of its own: export/deploy.py)
+        self.head = ConvNormAct(16, 32)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(16, 10)
+        self.fc = nn.Linear(32, 10)
 
     def forward(self, x):
-        return self.fc(self.pool(self.b2(self.b1(self.b0(self.stem(x))))).flatten(1))
+        x = self.b2(self.b1(self.b0(self.stem(x))))
+        return self.fc(self.pool(self.head(self.b4(self.b3(x)))).flatten(1))
 
 
 def _model():
@@ -100,13 +111,32 @@ def test_residual_tensors_take_the_reading_conv_quantizer(saved):
     assert isinstance(c.stem.act, QuantizedActivation)
     hooks = dict(output_hooks(c))
     assert hooks["stem.act"].quantizer is c.b0.depth.conv.act_quant  # a wrapped activation's output
-    assert hooks["b1.point.act"].quantizer is c.b2.depth.conv.act_quant  # a conv's, through Identity
     # one hook per tensor: not again on the Identity and Dropout that pass it on
-    assert sorted(hooks) == ["b1.point.act", "stem.act"]
-    assert c.b0.depth.conv.input_on_grid and c.b2.depth.conv.input_on_grid
-    # b1.point's output is the hooked tensor: no quantizer of its own
-    assert c.b1.point.conv.out_quant is None
-    assert c.b0.point.conv.out_quant is not None  # read by b0's Add alone: its own one
+    assert sorted(hooks) == ["stem.act"]
+    assert c.b0.depth.conv.input_on_grid
+    # a conv's output that the next block's conv and Add read, after its BN (b3) or through an
+    # Identity and a Dropout(p=0) (b1): the reader's quantizer is its output quantizer, and the
+    # reader does not apply it again
+    assert c.b1.point.conv.out_quant is c.b2.depth.conv.act_quant
+    assert c.b3.point[0].out_quant is c.b4.depth.conv.act_quant
+    assert c.b2.depth.conv.input_on_grid and c.b4.depth.conv.input_on_grid
+    # read by b0's Add alone: a trained quantizer of its own
+    assert c.b0.point.conv.out_quant is not None
+    assert c.b0.point.conv.out_quant is not c.b1.depth.conv.act_quant
+
+
+def test_deploy_has_no_requantizing_pair(saved):
+    """The Q -> DQ -> Q chains of the deploy file, as ORT optimises it: none."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(saved["dir"] / "opt.onnx")
+    ort.InferenceSession(str(saved["dir"] / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
+    g = onnx.load(so.optimized_model_filepath).graph
+    producer = {o: n for n in g.node for o in n.output}
+    chains = [n.name for n in g.node if n.op_type == "QuantizeLinear" and (dq := producer.get(n.input[0])) is not None
+              and dq.op_type == "DequantizeLinear"]
+    assert chains == []
 
 
 def test_fake_quant_and_deploy_compute_the_training_function(saved):
@@ -124,5 +154,6 @@ def test_restore_replays_the_hooks(saved):
     r.eval()
     with torch.no_grad():
         assert np.array_equal(r(saved["x"]).numpy(), saved["ref"])
-    assert sorted(n for n, _ in output_hooks(r)) == ["b1.point.act", "stem.act"]
+    assert sorted(n for n, _ in output_hooks(r)) == ["stem.act"]
+    assert r.b3.point[0].out_quant is r.b4.depth.conv.act_quant
     assert all(isinstance(m, CompressedLayer) for m in (r.stem.conv, r.b2.point.conv))
