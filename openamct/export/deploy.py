@@ -68,6 +68,7 @@ from openamct.export.qdq_place import (
     passes,
     place,
     qparams,
+    resizes_onto_grid,
     splits_onto_grid,
 )
 from openamct.export.recurrent import fold_recurrent
@@ -286,7 +287,7 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     _bias_to_int32(g)
     requantized = drop_requantize(g)
     dedupe(g)
-    placed = splits_onto_grid(g)
+    placed = splits_onto_grid(g) + resizes_onto_grid(g)
     int8 = 0
     for n in g.topological():
         if n.op_type in INT_ANCHORS:

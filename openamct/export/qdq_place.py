@@ -56,10 +56,15 @@ def drop_requantize(g: OnnxGraph) -> int:
     return dropped
 
 
+def nearest_resize(g: OnnxGraph, op: onnx.NodeProto) -> bool:
+    """A nearest-neighbour Resize copies values: what it reads on a grid it returns on it."""
+    return op.op_type == "Resize" and g.attr(op, "mode", b"nearest") in (b"nearest", "nearest")
+
+
 def passes(g: OnnxGraph, op: onnx.NodeProto) -> bool:
     """Ops that map grid values to grid values; a constant Pad with 0 too (0 is on every uint8
     grid: it is the zero point), e.g. HF's TF-style "same" padding before a strided conv."""
-    if op.op_type in PASS_OPS:
+    if op.op_type in PASS_OPS or nearest_resize(g, op):
         return True
     if op.op_type != "Pad" or g.attr(op, "mode", b"constant") not in (b"constant", "constant"):
         return False
@@ -209,4 +214,24 @@ def splits_onto_grid(g: OnnxGraph) -> int:
             if out and users and not g.is_output(out) and all(u.op_type == "Concat" for u in users):
                 g.insert_qdq(out, p[0], p[1], p[2])
                 placed += 1
+    return placed
+
+
+def resizes_onto_grid(g: OnnxGraph) -> int:
+    """A nearest-neighbour Resize of DQ(q) (HRNet's fuse layers upsample a conv's quantized
+    output into a sum) gets a Q/DQ of those qparams on its output. Exact (it copies values); ORT
+    then resizes the uint8 tensor and, where its readers are Adds of quantized tensors, runs
+    them as QLinearAdd. Returns how many."""
+    placed = 0
+    for op in [n for n in g.nodes if nearest_resize(g, n)]:
+        dq = g.producer(op.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or g.const(dq.input[0]) is not None:
+            continue
+        p = qparams(g, dq)
+        out = op.output[0]
+        users = g.users(out)
+        if p is None or g.is_output(out) or not users or any(u.op_type == "QuantizeLinear" for u in users):
+            continue
+        g.insert_qdq(out, p[0], p[1], p[2])
+        placed += 1
     return placed

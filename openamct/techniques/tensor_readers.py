@@ -16,7 +16,7 @@ from openamct.graph.node import TensorInfo
 from openamct.quant.covering_pool import covers_input
 from openamct.techniques.concat_sites import int8_pool
 
-__all__ = ["ACTIVATION_FUNCTIONS", "PASS_MODULES", "conv_layers", "int8_reader", "layer_output", "passes",
+__all__ = ["ACTIVATION_FUNCTIONS", "PASS_MODULES", "conv_layers", "int8_reader", "layer_output", "nearest_upsample", "passes",
            "producer_layer", "readers", "residual_readers", "residual_sites", "same_values"]
 
 ACTIVATION_FUNCTIONS = ("silu", "sigmoid")  # the function nodes a wrapped activation class's forward is
@@ -61,6 +61,18 @@ def passes(n) -> bool:
     return n.kind == "function" and (n.op in PASS_FUNCTIONS or zero_pad(n))
 
 
+def nearest_upsample(model: nn.Module, n) -> bool:
+    """A nearest-neighbour upsampling (``nn.Upsample``, ``F.interpolate``): it copies values, so
+    what it reads on a grid it returns on it, and ORT runs it on uint8 (HRNet's fuse layers)."""
+    if len(n.inputs) != 1 or len(n.outputs) != 1:
+        return False
+    if n.kind == "module" and n.op in ("Upsample", "UpsamplingNearest2d"):
+        return getattr(model.get_submodule(n.name), "mode", "nearest") == "nearest"
+    if n.kind == "function" and n.op == "interpolate":
+        return n.kwargs.get("mode", n.args[3] if len(n.args) > 3 else "nearest") == "nearest"
+    return False
+
+
 def int8_reader(model: nn.Module, n) -> bool:
     if n.kind == "module" and n.op in INT8_MODULES:
         # ORT's QLinearAveragePool mis-averages a ceil_mode window hanging over the input, so
@@ -83,7 +95,7 @@ def readers(graph: Graph, t: TensorInfo, planned: set[str], model: nn.Module,
         wraps = n.name in wrapped or n.kind == "function" and n.scope in wrapped and n.op in ACTIVATION_FUNCTIONS
         if (n.kind == "module" and n.name in planned or wraps) and n.inputs and n.inputs[0] is t:
             count["layer"] += 1
-        elif passes(n):
+        elif passes(n) or nearest_upsample(model, n):
             for k, v in readers(graph, n.outputs[0], planned, model, wrapped).items():
                 count[k] += v
         elif int8_reader(model, n):

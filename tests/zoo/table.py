@@ -1,5 +1,5 @@
-"""Print a zoo table (python -m tests.zoo.table [hf|torchvision|timm]): per family and config,
-the compressed layer counts, the share of compressed weight removed and the cosines (the
+"""Print a zoo table (python -m tests.zoo.table [hf|torchvision|timm] [family ...]): per family
+and config, the compressed layer counts, the share of compressed weight removed and the cosines (the
 compressed model against itself under 1e-6 input noise, which says where the others can be held
 to a bound: tests/zoo/vision.py; fake-quant file against torch; ORT's and OpenVINO's deploy runs
 against the fake-quant file), or the step that failed and its error."""
@@ -36,7 +36,7 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     zoo = importlib.import_module(ZOOS[sys.argv[1] if len(sys.argv) > 1 else "hf"])
-    families = getattr(zoo, "FAMILIES", None) or zoo.BUILDERS
+    families = sys.argv[2:] or getattr(zoo, "FAMILIES", None) or zoo.BUILDERS
     print("| family | config | quantized | 2:4 | pruned | weight removed | torch vs itself, 1e-6 input noise | "
           "fake vs torch | deploy vs fake | OpenVINO deploy vs fake |")
     print("|---|---|---|---|---|---|---|---|---|---|")
