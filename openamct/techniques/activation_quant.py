@@ -127,6 +127,8 @@ class ActState:
     relus: dict[str, str] = field(default_factory=dict)  # ReLU module -> conv (conv_outputs.py)
     relu_hooked: dict[str, nn.Module] = field(default_factory=dict)  # filled by apply: module -> quantizer
     stored: set[str] = field(default_factory=set)  # restore: the record's module names
+    # restore: the record's output quantizer scale of each shared conv, and its readers' input scale
+    stored_shared: dict[str, tuple[float, list[float]]] = field(default_factory=dict)
 
 
 
@@ -216,6 +218,14 @@ class ActivationQuant(Technique):
     def from_record(self, ctx: Context) -> ActState:
         state = self.plan(ctx)
         state.stored = {pr.selective_prune.name for pr in ctx.record.prune_record if _owned(pr)}
+        layer_scales = {e.key: e.value.scale_d for e in ctx.record.record if e.value.HasField("scale_d")}
+        for pr in ctx.record.prune_record:
+            node = pr.selective_prune
+            if _owned(pr) and node.name in state.shared and attrs.get_str(node, "op") == "output":
+                own = next((list(a.floats) for a in node.attr if a.name == "scale_d"), [])
+                theirs = [layer_scales[n] for n in state.shared[node.name] if n in layer_scales]
+                if own and theirs:
+                    state.stored_shared[node.name] = (own[0], theirs)
         return state
 
     def check_restore(self, ctx: Context, state: ActState) -> None:
@@ -223,6 +233,13 @@ class ActivationQuant(Technique):
         for name in sorted(state.stored - known):
             raise ValueError(f"record_file has activation quantizers for module {name!r}, which this model and "
                              "config do not quantize (record from another model or config?)")
+        for name, (own, theirs) in sorted(state.stored_shared.items()):
+            if any(r != own for r in theirs):
+                raise ValueError(
+                    f"record_file gives layer {name!r} an output quantizer of its own (scale {own:g}), where this "
+                    f"version of openamct shares its readers' input quantizer ({state.shared[name]}, scale "
+                    f"{theirs[0]:g}): the record and checkpoint come from an earlier version; create the model "
+                    "again and retrain")
 
     def apply(self, ctx: Context, state: ActState) -> None:
         batch_num = ctx.plan.batch_num

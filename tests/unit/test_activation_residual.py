@@ -17,6 +17,9 @@ import openamct as amct
 from openamct.compressed.layer import CompressedLayer
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.residual import output_hooks
+from openamct.record.file_io import read_record, write_record
+from openamct.techniques.activation_quant import ALGORITHM
+from openamct.techniques.base import selective_algorithm
 from tests.numerics import cosine
 from tests.runtimes import ort_run
 from tests.training import checkpoint_and_save
@@ -157,3 +160,19 @@ def test_restore_replays_the_hooks(saved):
     assert sorted(n for n, _ in output_hooks(r)) == ["stem.act"]
     assert r.b3.point[0].out_quant is r.b4.depth.conv.act_quant
     assert all(isinstance(m, CompressedLayer) for m in (r.stem.conv, r.b2.point.conv))
+
+
+def test_restore_refuses_a_record_with_its_own_output_quantizer(saved, tmp_path):
+    """A record from a version that gave b3's conv an output quantizer of its own (another scale
+    than its reader's): its checkpoint holds two sets of clips where this version has one."""
+    record = read_record(saved["rec"])
+    entry = next(pr.selective_prune for pr in record.prune_record
+                 if selective_algorithm(pr) == ALGORITHM and pr.selective_prune.name == "b3.point.0")
+    scale = next(a for a in entry.attr if a.name == "scale_d")
+    scale.floats[0] *= 1.5
+    rec = str(tmp_path / "old.txt")
+    with open(saved["rec"]) as f:
+        header = "".join(line for line in f if line.startswith("#"))  # the model's fingerprint
+    write_record(rec, record, header)
+    with pytest.raises(ValueError, match=r"'b3\.point\.0'.*earlier version"):
+        amct.restore_compressed_retrain_model(_model(), saved["x"], saved["cfg"], rec, saved["ckpt"], "state_dict")
