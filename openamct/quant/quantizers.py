@@ -24,6 +24,7 @@ from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
 from openamct.quant.clip_init import init_clips
 from openamct.quant.functions import (
     SCALE_EPS,
+    NonFiniteClip,
     arq_scales,
     arq_weight_fake_quant,
     graph_mode,
@@ -164,7 +165,10 @@ class ActULQ(nn.Module):
             y = last[2]()
             if y is not None:
                 return y
-        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
+        try:
+            y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
+        except NonFiniteClip as exc:
+            raise NonFiniteClip(f"{self.layer_name or 'activation quantizer'}: {exc}") from None
         self._last = (weakref.ref(x), key, weakref.ref(y))
         return y
 

@@ -182,3 +182,16 @@ def test_a_failed_forward_puts_back_every_quantizer_of_activations_outputs_and_r
     twin(x2)
     _same(_quantizer_state(m), _quantizer_state(twin))
     assert all(bool(t["initialized"]) for t, _ in _quantizer_state(m).values())
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_a_clip_a_diverged_step_made_nan_is_named(tmp_path, train):
+    """An optimizer step with NaN gradients leaves NaN clips: the next forward says which layer's
+    quantizer, not a float-to-int conversion error from deep inside."""
+    m, x = _created(tmp_path)
+    m(x)  # initialises the clips
+    with torch.no_grad():
+        m.conv.act_quant.clip_max.fill_(float("nan"))
+    m.train(train)
+    with pytest.raises(ValueError, match=r"^conv: activation clips are not finite \(clip_max nan"):
+        m(x)
