@@ -100,21 +100,21 @@ def ulq_qparams(clip_max: Tensor, clip_min: Tensor, fixed_min,
 
 
 class NonFiniteClip(ValueError):
-    """A quantizer's clip is NaN or inf."""
+    """A quantizer's clips give no grid (one is NaN, or both infinite)."""
 
 
 def ulq_qparams_float(clip_max: float, clip_min: float, fixed_min: bool, fmt: QuantFormat = INT8_ACT
                       ) -> tuple[float, int, float, float]:
     """``ulq_qparams`` in float32 scalar arithmetic: (scale, zero_point, cmax_used, cmin_used)."""
-    if not (math.isfinite(clip_max) and math.isfinite(clip_min)):
-        raise NonFiniteClip(f"activation clips are not finite (clip_max {clip_max}, clip_min {clip_min}): a "
-                            "training step made them so (NaN or inf gradients; a lower learning rate or a "
-                            "clipped gradient norm avoids it); restore from the last good checkpoint")
     f = np.float32
     cmax = max(f(clip_max), f(0.0))
     cmin = f(0.0) if fixed_min else min(f(clip_min), f(0.0))
     scale = max((cmax - cmin) / f(fmt.levels), f(SCALE_EPS))
     zp = min(max(np.round(f(fmt.qmin) - cmin / scale), f(fmt.qmin)), f(fmt.qmax))
+    if math.isnan(zp):  # (an infinite clip alone gives NaN outputs, which the training guard names)
+        raise NonFiniteClip(f"activation clips are not finite (clip_max {clip_max}, clip_min {clip_min}): a "
+                            "training step made them so (NaN or inf gradients; a lower learning rate or a "
+                            "clipped gradient norm avoids it); restore from the last good checkpoint")
     return float(scale), int(zp), float(cmax), float(cmin)
 
 
