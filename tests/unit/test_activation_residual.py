@@ -22,7 +22,7 @@ from openamct.techniques.activation_quant import ALGORITHM
 from openamct.techniques.base import selective_algorithm
 from tests.numerics import cosine
 from tests.runtimes import ort_run
-from tests.training import checkpoint_and_save
+from tests.training import checkpoint_and_save, sgd_steps
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -98,13 +98,7 @@ def saved(tmp_path_factory):
         f.write(CFG)
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     c = amct.create_compressed_retrain_model(_model(), x, cfg, rec)
-    c.train()
-    opt = torch.optim.SGD(c.parameters(), lr=1e-3)
-    for _ in range(2):
-        loss = c(torch.randn(4, 3, 16, 16)).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(c, lambda m: m(torch.randn(4, 3, 16, 16)), steps=2, lr=1e-3)
     ref, ckpt = checkpoint_and_save(c, d, x, rec)
     return {"dir": d, "cfg": cfg, "rec": rec, "ckpt": ckpt, "x": x, "ref": ref, "model": c}
 

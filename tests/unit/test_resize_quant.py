@@ -16,7 +16,7 @@ from torch import nn
 import openamct as amct
 from tests.numerics import cosine
 from tests.runtimes import ort_run
-from tests.training import checkpoint_and_save
+from tests.training import checkpoint_and_save, sgd_steps
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
 retrain_weight_quant_config: { arq_retrain: { channel_wise: true } }
@@ -63,13 +63,7 @@ def _run(tmp_path, **kw):
         f.write(CFG)
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     c = amct.create_compressed_retrain_model(_model(**kw), x, cfg, rec)
-    c.train()
-    opt = torch.optim.SGD(c.parameters(), lr=1e-3)
-    for _ in range(2):
-        loss = c(torch.randn(4, 3, 16, 16)).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(c, lambda m: m(torch.randn(4, 3, 16, 16)), steps=2, lr=1e-3)
     ref, _ = checkpoint_and_save(c, tmp_path, x, rec)
     return c, x, ref
 
