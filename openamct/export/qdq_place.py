@@ -188,6 +188,11 @@ def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
     if dq is None:
         dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
     for add in adds:
+        if add.op_type == "Add" and not _on_grid(g, q.input[0], p):
+            # fake-quant adds t itself: training puts a quantizer on a residual tensor wherever
+            # it can name the tensor's module, and where it could not, DQ(Q(t)) here would be
+            # a rounding that only the deploy file does
+            continue
         if add.op_type == "MaxPool" and all(u.op_type == "Concat" for u in g.users(add.output[0])):
             g.insert_qdq(add.output[0], p[0], p[1], p[2])
         for i, name in enumerate(add.input):

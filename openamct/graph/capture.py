@@ -98,8 +98,9 @@ class _Builder:
         self.stack: list[str] = []
         self.pending: list[list[TensorInfo]] = []
         self.names = {m: n for n, m in model.named_modules()}
-        # tensor key -> the innermost module whose forward returned it (one tensor), and calls
-        self.module_outputs: dict[int, str] = {}
+        # tensor key -> the modules whose forward returned it (one tensor), innermost first, and
+        # how often each module ran
+        self.module_outputs: dict[int, list[str]] = {}
         self.calls: dict[str, int] = {}
         self.params: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -190,7 +191,7 @@ class _Builder:
             self.calls[name] = self.calls.get(name, 0) + 1
             info = self.known(output) if isinstance(output, torch.Tensor) and not opaque else None
             if info is not None:
-                self.module_outputs.setdefault(info.key, name)  # inner hooks run first
+                self.module_outputs.setdefault(info.key, []).append(name)  # inner hooks run first
         if opaque:
             self.suppress -= 1
             if self.suppress == 0:
@@ -200,7 +201,7 @@ class _Builder:
                 inplace = bool(outs) and all(id(t) in in_ids for t in outs)
                 node = self._add_node("module", name, type(module).__name__, inputs, outs, inplace=inplace)
                 if isinstance(output, torch.Tensor):
-                    self.module_outputs.setdefault(node.outputs[0].key, name)
+                    self.module_outputs.setdefault(node.outputs[0].key, []).append(name)
 
 
 class _Recorder(TorchFunctionMode):
@@ -315,9 +316,21 @@ def capture_graph(model: nn.Module, input_data: Any) -> Graph:
         raise ValueError(f"cannot capture the graph of {type(model).__name__}: its forward returned no tensor")
     builder.add_output(outs)
     graph = Graph(builder.nodes, model)
-    graph.module_outputs = {k: n for k, n in builder.module_outputs.items() if builder.calls.get(n) == 1}
+    graph.module_outputs = _called_once(builder.module_outputs, builder.calls)
     logger.debug("captured %d nodes (%d module calls)", len(graph.nodes), sum(1 for n in graph.nodes if n.kind == "module"))
     return graph
+
+
+def _called_once(outputs: dict[int, list[str]], calls: dict[str, int]) -> dict[int, str]:
+    """Each tensor's innermost producing module that ran once: a forward hook there sees this
+    tensor alone. torchvision's Bottleneck calls one ``self.relu`` three times, so its block
+    output is named by the Bottleneck, not by the shared ReLU."""
+    named = {}
+    for key, names in outputs.items():
+        once = next((n for n in names if calls.get(n) == 1), None)
+        if once is not None:
+            named[key] = once
+    return named
 
 
 def _run(model: nn.Module, builder: _Builder, args: tuple, kwargs: dict, handles: list):
