@@ -277,7 +277,8 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
     """The ONNX post-pass (module docstring); edits and returns ``model``.
 
     ``all_observers``: the observer Q/DQ on a conv output that float ops read too, so ORT runs
-    QLinearConv there at the cost of a rounding step the fake-quant model does not take. For
+    QLinearConv there at the cost of a rounding step the fake-quant model does not take, and a
+    residual Add reads the rounded tensor its next layer reads (QLinearAdd), another. For
     single-op QAT modules (``nn/convert.py``), which train no output quantizers; the graph flow's
     activation_quant technique trains one for every conv output that only int8 ops read, so
     there the step would fall only where the fake-quant model computes in float."""
@@ -301,21 +302,21 @@ def finish_deploy(model: onnx.ModelProto, observers: dict[str, tuple[float, floa
             # Only QLinearConv needs an output Q to run in integers; QGemm can output float, and
             # an observer Q/DQ after it only costs time and accuracy (MLP: 0.94 vs 1.05 x qs).
             obs = observers.get(w) if n.op_type == "Conv" and not _float_read(g, n.output[0], all_observers) else None
-            placed += place(g, n.output[0], obs)
+            placed += place(g, n.output[0], obs, all_observers)
         elif n.op_type == "MatMul" and all((p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                                            and g.const(p.input[0]) is None for i in n.input[:2]):
             # an activation x activation product (techniques/matmul_quant.py): QLinearMatMul where
             # only quantizers of one qparams read its output, else MatMulIntegerToFloat (Swin-T
             # window shapes, ORT 1.32: QLinearMatMul 0.97x MatMulIntegerToFloat + Q; with a DQ
             # after it 1.15-1.2x MatMulIntegerToFloat, so a float reader gets no Q/DQ here)
-            placed += place(g, n.output[0], None)
+            placed += place(g, n.output[0], None, all_observers)
         elif n.op_type in ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat") and _int8_pool(g, n) and all(
                 (p := g.producer(i)) is not None and p.op_type == "DequantizeLinear"
                 for i in (n.input if n.op_type == "Concat" else n.input[:2])):
             # QLinearAdd / QLinearMul / QLinearGlobalAveragePool / QLinearAveragePool once the
             # output is quantized (Mul: a SiLU or squeeze-excitation, see QuantizedActivation;
             # Concat: QLinearConcat, techniques/concat_sites.py)
-            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None)
+            placed += place(g, n.output[0], _add_bound(g, n) if n.op_type == "Add" else None, all_observers)
     pads = _fuse_pads(g)
     shuffles = _flat_shuffles(g)
     g.finish()

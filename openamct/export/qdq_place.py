@@ -171,8 +171,11 @@ def _fallback(g: OnnxGraph, y: str, rng: tuple[float, float]) -> bool:
     return True
 
 
-def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
-    """Quantize the output ``y`` of an integer-capable op; True when it ends up quantized."""
+def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None, round_adds: bool = False) -> bool:
+    """Quantize the output ``y`` of an integer-capable op; True when it ends up quantized.
+    ``round_adds``: a residual Add reading the tensor the next quantizer reads reads its DQ(Q(t))
+    too (QLinearAdd), a rounding step the training model does not take (``finish_deploy``'s
+    ``all_observers``)."""
     found = _walk(g, y)
     if found is None:
         return rng is not None and _fallback(g, y, rng)
@@ -188,7 +191,7 @@ def place(g: OnnxGraph, y: str, rng: tuple[float, float] | None) -> bool:
     if dq is None:
         dq = g.make("DequantizeLinear", [q.output[0], q.input[1], q.input[2]])
     for add in adds:
-        if add.op_type == "Add" and not _on_grid(g, q.input[0], p):
+        if add.op_type == "Add" and not round_adds and not _on_grid(g, q.input[0], p):
             # fake-quant adds t itself: training puts a quantizer on a residual tensor wherever
             # it can name the tensor's module, and where it could not, DQ(Q(t)) here would be
             # a rounding that only the deploy file does
