@@ -92,13 +92,6 @@ MODELS = {
     "BoTNet": ("botnet26t_256", 64, {"img_size": 64}),
 }
 BUILDERS = MODELS
-# family -> the learning rate of the zoo's SGD steps (lifecycle.run) where 1e-3 breaks the net
-# rather than trains it. DLA: the second step moves its activation clips by about -20, below 0,
-# which leaves uint8 grids of step 1.2e-7 (the float32 floor). ORT's fused int8 kernels then depart
-# from its own unfused run of the same deploy file (0.93 on AMD EPYC), and OpenVINO's from
-# fake-quant (0.991 on an Intel Xeon with AMX). At 3e-4 no clip collapses: deploy vs fake-quant
-# 0.9999, OpenVINO 0.9994 (AMD EPYC).
-TRAIN_LR = {"DLA": 3e-4}
 # The test's share (test_timm_zoo.py): the families that run in a few seconds. The others
 # (a second member of a kind, or 10-17 s a run) are in the table (python -m tests.zoo.table timm).
 # The test's share of the families (the table runs them all): the slowest few of a kind that
