@@ -7,8 +7,6 @@ module returns the tensor (a functional ReLU inside a block), training adds it u
 so must the deploy file: its Add reads the float tensor, not the next conv's Q/DQ of it."""
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
@@ -17,7 +15,7 @@ from torch.nn import functional as F
 import openamct as amct
 from openamct.quant.residual import output_hooks
 from tests.numerics import cosine
-from tests.runtimes import ort_run
+from tests.runtimes import ort_optimized_ops, ort_run
 from tests.training import checkpoint_and_save, sgd_steps
 
 CFG = """retrain_data_quant_config: { ulq_quantize: { } }
@@ -87,16 +85,9 @@ def test_a_block_output_is_named_by_the_block(saved):
     assert hooks["b1"].quantizer is saved["model"].b2.conv1.act_quant
 
 
-def _optimised_ops(path, folder) -> list[str]:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(folder / "opt.onnx")
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
-
-
 def test_deploy_adds_what_training_adds(saved):
     d = saved["dir"]
-    ops = _optimised_ops(d / "m_deploy_model.onnx", d)
+    ops = ort_optimized_ops(d / "m_deploy_model.onnx", d)
     # the two Bottleneck sums read quantized tensors: int8 adds; the functional block's stays float
     assert ops.count("QLinearAdd") == 2 and ops.count("Add") == 1, ops
     fake = ort_run(d / "m_fake_quant_model.onnx", saved["x"])

@@ -84,9 +84,8 @@ def _batches(inputs: dict, n: int = 5) -> list[dict]:
 
 def self_vs_noise(model, batches: list[dict], rel: float = 1e-6) -> tuple[float, float]:
     """Cosine of ``model``'s outputs on ``batches`` (all of them as one vector, and the worst
-    batch's) to its outputs on
-    the same batches with every float input element, and every compressed layer's input, multiplied
-    by (1 + ``rel`` x Gaussian noise).
+    batch's) to its outputs on the same batches with every float input element, and every
+    compressed layer's input, multiplied by (1 + ``rel`` x Gaussian noise).
 
     How chaotic the net is: where a noise that small already moves the output (a full-size random
     MobileNetV2 in FP32: 0.977, docs/dev/platform.md), another runtime's float accumulation order
