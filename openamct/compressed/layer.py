@@ -9,9 +9,6 @@ Training: torch.ao's approximate fold, y = BN_train(op(x, q(w*c)) / c + b), c = 
 (``commutes_with_channel_scale``: symmetric per-channel ARQ, q(w*c) = c*q(w) exactly in real
 arithmetic), that expression equals BN_train(op(x, q(w), b)) and the multiply and divide are
 skipped; other quantizers take the literal path.
-
-First layer: when the input needs no gradient (the image) but its quantizer's clips do, the clip
-gradients come from one extra forward op instead of the op's backward-data (``clip_grad``).
 """
 
 from __future__ import annotations
@@ -21,13 +18,12 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from openamct.compressed.clip_grad import input_clip_grad
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
-from openamct.quant.functions import graph_mode, ulq_qparams
+from openamct.quant.functions import ulq_qparams
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, host_flag
 
 logger = logging.getLogger(__name__)
@@ -211,36 +207,20 @@ class CompressedLayer(WeightOp):
         shape[y.dim() - self.spatial - 1] = -1
         return shape
 
-    def _taps_input(self, x: Tensor) -> bool:
-        """First-layer case: the input needs no gradient but the input quantizer's clips do.
-        Autograd would then run the op's backward-data only to get dL/dx_q for the clips
-        (for a 3-channel stem conv that costs several forward convs); ``input_clip_grad`` gets
-        the same clip gradients from one forward op on (x_q - x) instead."""
-        aq = self.act_quant
-        return (torch.is_grad_enabled() and not x.requires_grad and isinstance(aq, ActULQ)
-                and (aq.clip_max.requires_grad or aq.clip_min.requires_grad)
-                and x.device.type == "cpu" and not graph_mode())
-
     def forward(self, x: Tensor) -> Tensor:
-        tap = None
         observe = getattr(self.sparsity, "observe", None)
         if observe is not None:  # a data-aware 2:4 mask reads the layer's input (prune/nm_aware.py)
             observe(x)
         if self.act_quant is not None and not self.input_on_grid:
-            if self._taps_input(x):
-                with torch.no_grad():
-                    xq = self.act_quant(x)
-                tap, x = (x, xq), xq
-            else:
-                x = self.act_quant(x)
+            x = self.act_quant(x)
         if self.bn is not None and self.bn.training:
-            y = self._forward_fold_train(x, tap)
-        elif tap is None and self.large is not None and self.large.takes(self, x):
-            # Branch point: ``large``, set by build on a model whose tensors are all on the CPU,
+            y = self._forward_fold_train(x)
+        elif self.large is not None and self.large.takes(self, x):
+            # Branch point: ``large``, set by build on the large-model path (a CPU model),
             # computes a plain-weight-path Linear on CPU tensors with no weight-sized temporaries.
             y = self.large.forward(self, x)
         else:
-            y = self._op_tap(x, *self.effective_weight_bias(), tap)
+            y = self._op(x, *self.effective_weight_bias())
         if self.out_observer is not None:
             y = self.out_observer(y)
         if self.out_quant is not None:
@@ -267,22 +247,12 @@ class CompressedLayer(WeightOp):
             self.large.release()
         return super().train(mode)
 
-    def _op_tap(self, x: Tensor, w: Tensor, b: Tensor | None, tap) -> Tensor:
-        y = self._op(x, w, b)
-        if tap is None:
-            return y
-        aq = self.act_quant
-        fixed = host_flag(aq, "fixed_min")
-        qp = ulq_qparams(aq.clip_max, aq.clip_min, fixed, aq.format)
-        return input_clip_grad(y, aq.clip_max, aq.clip_min, tap[0], tap[1], w, qp, fixed,
-                               self._op, aq.format)
-
-    def _forward_fold_train(self, x: Tensor, tap=None) -> Tensor:
+    def _forward_fold_train(self, x: Tensor) -> Tensor:
         if self._fold_commutes():
             w = self._masked(self.weight)
             wq = w if self.wts_quant is None else self.wts_quant(w)
-            return self.bn(self._op_tap(x, wq, self.bias, tap))
-        y = self._op_tap(x, self.wts_quant(self._folded_weight()), None, tap)
+            return self.bn(self._op(x, wq, self.bias))
+        y = self._op(x, self.wts_quant(self._folded_weight()), None)
         shape = self._channel_shape(y)
         y = y / bn_scale(self.bn).reshape(shape)
         if self.bias is not None:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from openamct._checks import all_finite
 from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
+from openamct.quant.act_qparams import ActQParams, QParamTable
 from openamct.quant.clip_init import init_clips
 from openamct.quant.functions import (
     SCALE_EPS,
@@ -145,6 +146,28 @@ class ActULQ(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         forget_host_flags(self)
 
+    def fixed_flag(self) -> bool:
+        """``fixed_min`` without a device read in the steady state (``host_flag``)."""
+        return host_flag(self, "fixed_min")
+
+    def use_table(self, table: QParamTable | None) -> None:
+        """Take this quantizer's quantization parameters from ``table`` (the record keeper's,
+        refreshed once per forward for all of a model's quantizers) while its row is current."""
+        self.__dict__["_qtable"] = table
+
+    def qparams(self) -> ActQParams:
+        """The current clips' quantization parameters (``act_qparams``): the shared table's row
+        when it is current, else this quantizer's own one-row table, recomputed when stale."""
+        shared = self.__dict__.get("_qtable")
+        if shared is not None:
+            row = shared.row(self)
+            if row is not None:
+                return row
+        own = self.__dict__.get("_own_table")
+        if own is None:
+            own = self.__dict__["_own_table"] = QParamTable([self], self.format)
+        return own.own_row(self)
+
     def forward(self, x: Tensor) -> Tensor:
         exporting = graph_mode()
         if not exporting and not self.is_initialized:
@@ -152,8 +175,10 @@ class ActULQ(nn.Module):
         fixed = self.fixed_min if exporting else host_flag(self, "fixed_min")
         # An inference tensor has no version to prove it unchanged; a compiled forward keeps no
         # host-side cache (the compiler removes the repeated computation itself).
-        if exporting or torch.compiler.is_compiling() or x.is_inference():
+        if exporting or torch.compiler.is_compiling():
             return ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
+        if x.is_inference():
+            return ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format, self.qparams())
         # A shared quantizer (q/k/v, gate/up) is called by each layer on the same tensor: the
         # first call's output serves the others, so the fake quant and its backward run once
         # per tensor, not once per reader (each costs a dozen ops on the activation).
@@ -165,16 +190,15 @@ class ActULQ(nn.Module):
             y = last[2]()
             if y is not None:
                 return y
-        try:
-            y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format)
-        except NonFiniteClip as exc:
-            raise NonFiniteClip(f"{self.layer_name or 'activation quantizer'}: {exc}") from None
+        y = ulq_act_fake_quant(x, self.clip_max, self.clip_min, fixed, self.format, self.qparams())
         self._last = (weakref.ref(x), key, weakref.ref(y))
         return y
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_last"] = None  # weak references do not pickle
+        state.pop("_qtable", None)  # tables hold device tensors of one model: a copy makes its own
+        state.pop("_own_table", None)
         return state
 
     @torch.no_grad()
@@ -218,8 +242,11 @@ class ActULQ(nn.Module):
 
     def scale_offset(self) -> tuple[float, int]:
         """(scale, offset) of the current clips in ``format``, exactly as the forward uses them."""
-        s, zp, _, _ = ulq_qparams_float(self.clip_max.item(), self.clip_min.item(),
-                                        bool(self.fixed_min), self.format)
+        try:
+            s, zp, _, _ = ulq_qparams_float(self.clip_max.item(), self.clip_min.item(),
+                                            bool(self.fixed_min), self.format)
+        except NonFiniteClip as exc:
+            raise NonFiniteClip(f"{self.layer_name or 'activation quantizer'}: {exc}") from None
         return s, zp
 
     def extra_repr(self) -> str:
@@ -343,16 +370,24 @@ class RangeObserver(nn.Module):
         self.register_buffer("min_val", torch.tensor(0.0))
         self.register_buffer("max_val", torch.tensor(0.0))
         self.register_buffer("initialized", torch.tensor(False))
+        set_host_flag(self, "initialized", False)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        forget_host_flags(self)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training and not graph_mode() and x.numel():
             with torch.no_grad():
                 lo, hi = torch.aminmax(x.detach())
-                lo, hi = lo.float(), hi.float()
-                first = ~self.initialized
-                self.min_val.copy_(torch.where(first, lo, torch.lerp(self.min_val, lo, self.momentum)))
-                self.max_val.copy_(torch.where(first, hi, torch.lerp(self.max_val, hi, self.momentum)))
-                self.initialized.fill_(True)
+                if host_flag(self, "initialized"):  # three ops a step, no host read
+                    self.min_val.lerp_(lo.float(), self.momentum)
+                    self.max_val.lerp_(hi.float(), self.momentum)
+                else:  # the first update copies
+                    self.min_val.copy_(lo)
+                    self.max_val.copy_(hi)
+                    self.initialized.fill_(True)
+                    set_host_flag(self, "initialized", True)
         return x
 
     def scale_offset(self) -> tuple[float, int]:

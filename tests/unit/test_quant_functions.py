@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from openamct.formats import INT8_ACT
 from openamct.quant import clip_init
 from openamct.quant.functions import (
     arq_scales,
@@ -21,7 +22,7 @@ from openamct.quant.functions import (
     ulq_qparams_float,
 )
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightARQ, WeightULQ
-from openamct.quant.ulq_act import ULQActFunction, ULQActHostFunction
+from openamct.quant.ulq_act import ULQAct, single_row
 
 
 def _builtin_pt(x, s, zp):
@@ -81,14 +82,13 @@ def _ulq_reference(x, cmax, cmin, fixed_min, g):
     return y, gx, gmax, gmin
 
 
-@pytest.mark.parametrize("fn", [ULQActFunction, ULQActHostFunction], ids=["device", "host"])
 @pytest.mark.parametrize("cmax,cmin,fixed", [(3.0, -1.0, False), (2.5, -0.7, True), (1.3, -2.2, False)])
-def test_ulq_forward_and_gradients_match_reference(cmax, cmin, fixed, fn):
+def test_ulq_forward_and_gradients_match_reference(cmax, cmin, fixed):
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(4, 8, 20, 20, generator=gen) * 1.5).requires_grad_()
     g = torch.randn(4, 8, 20, 20, generator=gen)
     pmax, pmin = torch.nn.Parameter(torch.tensor(cmax)), torch.nn.Parameter(torch.tensor(cmin))
-    y = fn.apply(x, pmax, pmin, fixed, ulq_qparams_float(cmax, cmin, fixed))
+    y = ULQAct.apply(x, pmax, pmin, single_row(pmax, pmin, fixed, INT8_ACT))
     y.backward(g)
     y_ref, gx_ref, gmax_ref, gmin_ref = _ulq_reference(x.detach(), cmax, cmin, fixed, g)
     assert torch.allclose(y.double(), y_ref, atol=1e-6)
