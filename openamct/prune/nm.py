@@ -1,4 +1,5 @@
-"""N:M (2:4) structured sparsity: mask computation and the training-time sparsifier module.
+"""N:M structured sparsity (upstream's 2:4, any n of m here): mask computation and the
+training-time sparsifier module.
 
 Upstream AMCT's ``l1_selective_prune`` (docs/dev/reference.md, Algorithms): along the weight's input-channel
 axis, every group of ``m`` consecutive weights (same output channel and kernel position) keeps
@@ -21,76 +22,27 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from openamct.prune.nm_apply import apply_bits, apply_mask, masked_ste, row_slices
 from openamct.prune.nm_keep import _check_int, compute_nm_mask, nm_keep_flags
 from openamct.prune.nm_layers import nm_axis, nm_eligible, nm_groups
 from openamct.quant.functions import graph_mode
-from openamct.record.mask_codec import pack_bits, packed_size, unpack_bits, unpack_rows, write_bits
+from openamct.record.mask_codec import pack_bits, packed_size, unpack_bits, write_bits
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "NMSparsifier"]
-
-_MASK_CHUNK_ELEMS = 1 << 20  # weights per slice of a mask recompute (4 MB of |w|)
-
-
-def apply_mask(w: Tensor, mask: Tensor, out: Tensor | None = None) -> Tensor:
-    """``w * mask`` (bit for bit, -0.0 and NaN included), into ``out`` when given. A bool mask
-    is first widened into the result buffer: torch multiplies a float tensor by a bool one
-    through a float copy of the mask, 4x slower than this on a 46 MB weight. While a
-    graph is captured it is the plain ``Mul`` the exported model should hold."""
-    if graph_mode():
-        return w * mask
-    if out is None:
-        out = torch.empty_like(w, memory_format=torch.contiguous_format)
-    if mask.dtype == torch.bool:
-        return out.copy_(mask.view(torch.uint8)).mul_(w)
-    return torch.mul(w, mask, out=out)
-
-
-def row_slices(shape: Sequence[int], unit: int = 1) -> list[slice]:
-    """Slices along dim 0 of about ``_MASK_CHUNK_ELEMS`` elements each, a multiple of ``unit``
-    rows (but the last): small enough that a slice's temporaries stay in cache and are reused
-    from the heap."""
-    rows = int(shape[0]) if len(shape) else 0
-    per_row = max(1, math.prod(shape[1:]))
-    step = max(unit, _MASK_CHUNK_ELEMS // per_row // unit * unit)
-    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
-
-
-def apply_bits(w: Tensor, bits: Tensor, out: Tensor | None = None) -> Tensor:
-    """``w * mask`` for a packed mask (``mask_bits``), a slice of rows at a time: no full-size
-    bool mask is unpacked. While a graph is captured it is the plain ``Mul`` of the whole mask."""
-    if graph_mode():
-        return w * unpack_bits(bits, 0, w.numel()).view(w.shape)
-    if out is None:
-        out = torch.empty_like(w, memory_format=torch.contiguous_format)
-    for rows in row_slices(w.shape):
-        apply_mask(w[rows], unpack_rows(bits, w.shape, rows), out[rows])
-    return out
-
-
-class _MaskSTE(torch.autograd.Function):
-    """Forward ``w * mask``; backward passes the gradient to every weight, masked or not
-    (SPEC: "gradients reach all weights"), so a later recompute can revive pruned weights.
-    Cheaper than ``w + (w * mask - w).detach()``: one kernel forward, none backward."""
-
-    @staticmethod
-    def forward(ctx, w: Tensor, bits: Tensor) -> Tensor:
-        return apply_bits(w, bits)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
+__all__ = ["nm_axis", "nm_groups", "compute_nm_mask", "nm_eligible", "apply_mask", "apply_bits", "masked_ste",
+           "NMSparsifier"]
 
 class NMSparsifier(nn.Module):
-    """Applies a 2:4 mask to a weight: ``forward(w) -> w * mask``.
+    """Applies an n:m mask (2:4 unless told) to a weight: ``forward(w) -> w * mask``.
 
     State (all in the state_dict): ``mask_bits`` (uint8, the mask packed one bit per weight in
     the record's bit order, see ``mask_bits.py``: an eighth of a byte per weight;
     checkpoints with a bool or float 0/1 ``mask`` of the weight's shape still load),
-    ``mask_ready`` (bool), ``step`` (int64, training forwards seen). ``mask`` reads the whole
-    mask as bool (a new tensor). In training mode the mask is computed from ``w`` on the first
+    ``mask_ready`` (bool), ``step`` (int64, training forwards seen; counted on the host and
+    written into the buffer when a state dict is taken). ``mask`` reads the whole mask as bool
+    (a new tensor). The forward multiplies by the mask unpacked once per change into the
+    weight's dtype (``dense_mask``): one op a step. In training mode the mask is computed from ``w`` on the first
     forward and, with ``update_freq`` > 0, recomputed whenever ``step % update_freq == 0``;
     ``update_freq == 0`` keeps the first mask. Eval mode never recomputes a ready mask; an
     unready one is computed once so eval works, and it then counts as the first-batch mask
@@ -110,11 +62,16 @@ class NMSparsifier(nn.Module):
         axis: int,
         update_freq: int,
         *,
+        n: int = 2,
+        m: int = 4,
         groups: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        self.n, self.m = _check_int("n", n, 1), _check_int("m", m, 1)
+        if n > m:
+            raise ValueError(f"n: {n} kept of every m={m} is more than m")
         if isinstance(weight_shape, (str, bytes)) or not isinstance(weight_shape, Sequence):
             raise TypeError(
                 f"weight_shape: expected a sequence of ints, got {type(weight_shape).__name__}"
@@ -143,24 +100,31 @@ class NMSparsifier(nn.Module):
         )
         # Host mirrors of mask_ready/step: reading the buffers every forward would force a
         # device sync per layer per step on accelerators. Refreshed on every state_dict load.
+        # Eager forwards are counted on the host (``_step``; ``_unsynced`` of them not yet in
+        # ``step``, which a state dict adds: no op per step); a compiled forward counts on the
+        # device instead (the compiler would guard on a host count and recompile every step).
         self._ready = False
         self._step = 0
-        # The 2:4 recompute's branch point (``_keep_of``): ``keep24(axis)`` -> a keep-flags
-        # function for one recompute, set by build on a CPU model (openamct.large); None: the
-        # plain ``nm_keep_flags``.
+        self._unsynced = 0
+        self.register_state_dict_pre_hook(_write_step)
+        # Branch points of the large-model machinery (openamct.large), set by build when the
+        # model takes it; None keeps the plain path. ``keep24(axis)``: a keep-flags function for
+        # one 2:4 recompute (``_keep_of``); ``apply_packed(w, bits)``: ``w * mask`` unpacked a
+        # slice of rows at a time, instead of a weight-sized mask kept in memory.
         self.keep24 = None
+        self.apply_packed = None
         self._installs = 0  # masks installed/loaded/put back: ``version`` reads ``_changes`` after one
         self._version_read = (-1, 0)
 
     @classmethod
-    def from_module(cls, module: nn.Module, update_freq: int) -> NMSparsifier:
+    def from_module(cls, module: nn.Module, update_freq: int, n: int = 2, m: int = 4) -> NMSparsifier:
         """Sparsifier matching ``module``'s weight (shape, axis, groups, dtype, device);
         ``ValueError`` with the reason when the module is not eligible."""
         ok, reason = nm_eligible(module)
         if not ok:
             raise ValueError(f"module: not eligible for 2:4 sparsity: {reason}")
         w = module.weight
-        return cls(tuple(w.shape), nm_axis(module), update_freq, groups=nm_groups(module),
+        return cls(tuple(w.shape), nm_axis(module), update_freq, n=n, m=m, groups=nm_groups(module),
                    dtype=w.dtype, device=w.device)
 
     @property
@@ -176,18 +140,41 @@ class NMSparsifier(nn.Module):
         return unpack_bits(self.mask_bits, 0, self.weight_shape.numel()).view(self.weight_shape)
 
     def extra_repr(self) -> str:
-        return (f"weight_shape={list(self.weight_shape)}, axis={self.axis}, "
+        return (f"{self.n}:{self.m}, weight_shape={list(self.weight_shape)}, axis={self.axis}, "
                 f"update_freq={self.update_freq}, groups={self.groups}")
+
+    def dense_mask(self, like: Tensor) -> Tensor:
+        """The mask in ``like``'s dtype and device, unpacked once per mask change (a recompute,
+        a load, a move writes or replaces ``mask_bits``) and kept: derived, not state."""
+        bits = self.mask_bits
+        if torch.compiler.is_compiling():  # a compiled forward unpacks in its graph (no host cache)
+            return unpack_bits(bits, 0, self.weight_shape.numel()).view(self.weight_shape).to(like.dtype)
+        key = (bits, bits._version, like.dtype, like.device)
+        kept = self.__dict__.get("_dense")
+        if kept is None or kept[0][0] is not bits or kept[0][1:] != key[1:]:
+            with torch.no_grad():
+                mask = unpack_bits(bits, 0, self.weight_shape.numel()).view(self.weight_shape)
+                kept = self.__dict__["_dense"] = (key, mask.to(device=like.device, dtype=like.dtype))
+        return kept[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_dense", None)  # derived from mask_bits: a copy unpacks its own
+        return state
 
     def forward(self, w: Tensor) -> Tensor:
         bits = self.current_bits(w)
-        if torch.is_grad_enabled() and w.requires_grad and not graph_mode():
-            return _MaskSTE.apply(w, bits)
-        return apply_bits(w, bits)
+        if graph_mode():
+            return apply_bits(w, bits)
+        if self.apply_packed is not None:  # branch point: the large-model path (see __init__)
+            return masked_ste(w, bits, self.apply_packed)
+        return masked_ste(w, self.dense_mask(w))
 
     def apply_installed(self, w: Tensor) -> Tensor:
         """``w * mask`` with the mask as it is: no batch counted, no recompute."""
-        return apply_bits(w, self.mask_bits)
+        if graph_mode() or self.apply_packed is not None:
+            return apply_bits(w, self.mask_bits)
+        return torch.mul(w, self.dense_mask(w))
 
     def current_bits(self, w: Tensor) -> Tensor:
         """What ``forward(w)`` multiplies by (``mask_bits``), after the same bookkeeping (a
@@ -202,12 +189,12 @@ class NMSparsifier(nn.Module):
                 f"{list(self.weight_shape)}"
             )
         if self.training and self._ready and self.update_freq == 0:
-            # No recompute can be due: only the device counter moves. The host count schedules
-            # recomputes alone, and a compiled forward must not read it (the compiler would guard
-            # on its value and recompile at every step).
-            self.step.add_(1)
-            if not torch.compiler.is_compiling():
+            # No recompute can be due: only the count moves (see ``_unsynced``).
+            if torch.compiler.is_compiling():
+                self.step.add_(1)
+            else:
                 self._step += 1
+                self._unsynced += 1
         elif self.training or not self._ready:
             self._count_batch(w)
         return self.mask_bits
@@ -219,22 +206,22 @@ class NMSparsifier(nn.Module):
             if not self._ready or (self.update_freq > 0 and self._step % self.update_freq == 0):
                 self._recompute(w)
             self._step += 1
-            self.step.fill_(self._step)
+            self._unsynced += 1
         elif not self._ready:
             self._recompute(w)
 
     def _pieces(self) -> tuple[list[slice], int]:
         """Row slices a recompute may compute on their own, and the ``groups`` to compute each
         with. Each (but the last) holds a multiple of 8 weights, so it owns whole bytes of
-        ``mask_bits``; on a transposed layout (2:4 groups run along dim 0) a multiple of 4
-        rows, so no 2:4 group is cut, unless conv groups pad on their own (one piece then)."""
+        ``mask_bits``; on a transposed layout (n:m groups run along dim 0) a multiple of m
+        rows, so no group is cut, unless conv groups pad on their own (one piece then)."""
         shape = self.weight_shape
         per_row = math.prod(shape[1:])
         unit = 8 // math.gcd(per_row, 8) if per_row else 1
         if self.axis == 0:
-            if self.groups > 1 and (shape[0] // self.groups) % 4:
+            if self.groups > 1 and (shape[0] // self.groups) % self.m:
                 return [slice(0, shape[0])], self.groups
-            unit = math.lcm(unit, 4)
+            unit = math.lcm(unit, self.m)
             return row_slices(shape, unit), 1
         return row_slices(shape, unit), self.groups
 
@@ -250,7 +237,7 @@ class NMSparsifier(nn.Module):
         pieces, groups = self._pieces()
         per_row = w[0].numel()
         changed = torch.zeros((), dtype=torch.bool, device=self.mask_bits.device)
-        keep_of = _keep_of(w, self.axis, groups, self.keep24)
+        keep_of = _keep_of(w, self.axis, groups, self.n, self.m, self.keep24)
         for rows in pieces:
             changed |= write_bits(self.mask_bits, rows.start * per_row, keep_of(w[rows]))
         self._mark_installed(changed)
@@ -321,17 +308,27 @@ class NMSparsifier(nn.Module):
                 self._changes.add_(1)
         self._ready = bool(self.mask_ready.item())
         self._step = int(self.step.item())
+        self._unsynced = 0
         self._installs += 1
 
 
-def _keep_of(w: Tensor, axis: int, groups: int, keep24=None):
-    """A slice's 2:4 keep-flags for a recompute of ``w``. Branch point: with ``keep24`` (the
-    sparsifier's, set on CPU models), a CPU weight and no 2:4 group padded or cut by a conv
-    group, ``keep24(axis)`` (in one workspace made for this recompute, no fresh temporaries per
-    slice); otherwise the plain ``nm_keep_flags``."""
-    if keep24 is not None and w.device.type == "cpu" and w.shape[axis] % (4 * groups) == 0:
+def _keep_of(w: Tensor, axis: int, groups: int, n: int, m: int, keep24=None):
+    """A slice's n:m keep-flags for a recompute of ``w``. Branch point: for 2:4 with ``keep24``
+    (the sparsifier's, set when the model takes the large-model path), a CPU weight and no 2:4
+    group padded or cut by a conv group, ``keep24(axis)`` (in one workspace made for this
+    recompute, no fresh temporaries per slice); otherwise the plain ``nm_keep_flags``."""
+    if (keep24 is not None and (n, m) == (2, 4) and w.device.type == "cpu"
+            and w.shape[axis] % (4 * groups) == 0):
         return keep24(axis)
-    return lambda x: nm_keep_flags(x, axis, 2, 4, groups)
+    return lambda x: nm_keep_flags(x, axis, n, m, groups)
+
+
+def _write_step(module: NMSparsifier, prefix: str, keep_vars: bool) -> None:
+    """State-dict pre-hook: the training forwards counted on the host into the ``step`` buffer."""
+    if module._unsynced:
+        with torch.no_grad():
+            module.step.add_(module._unsynced)
+        module._unsynced = 0
 
 
 def _all_kept(numel: int, device) -> Tensor:

@@ -132,7 +132,9 @@ def _checked_words(shape: Sequence[int], words: Sequence[int] | np.ndarray) -> t
 # bit ``7 - i % 8`` of byte ``i // 8``, unused bits of the last byte zero. The record's words are
 # these bytes zero-padded to whole 8-byte words.
 
-_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # bit of each of a byte's 8 elements
+def _shifts(device: torch.device, dtype: torch.dtype = torch.uint8) -> Tensor:
+    """The bit of each of a byte's 8 elements, made on ``device`` (no copy from the host)."""
+    return torch.arange(7, -1, -1, dtype=dtype, device=device)
 
 
 def packed_size(numel: int) -> int:
@@ -149,7 +151,7 @@ def pack_bits(keep: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = (1 << _SHIFTS.to(torch.int32)).to(device=flat.device, dtype=torch.uint8)
+    weights = (1 << _shifts(flat.device, torch.int32)).to(torch.uint8)
     return (flat.view(-1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
 
@@ -160,7 +162,7 @@ def unpack_bits(bits: Tensor, start: int, count: int) -> Tensor:
     if chunk.device.type == "cpu" and not torch.compiler.is_compiling():
         flags = torch.from_numpy(np.unpackbits(chunk.numpy()))
     else:
-        flags = (chunk.unsqueeze(-1) >> _SHIFTS.to(chunk.device)).bitwise_and_(1).reshape(-1)
+        flags = (chunk.unsqueeze(-1) >> _shifts(chunk.device)).bitwise_and_(1).reshape(-1)
     # view(bool) reinterprets the 0/1 bytes without a copy; a tracer cannot record it on a
     # constant (torch.jit alias analysis asserts), so a captured graph gets a cast instead.
     flags = flags.bool() if torch.jit.is_tracing() else flags.view(torch.bool)
