@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from openamct.quant.activation import QuantizedActivation
+from openamct.quant.quantizers import ActULQ
 from openamct.record.file_io import write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.record.sidecar import SidecarOut, remove_unnamed_sidecars, write_sidecars
@@ -54,17 +55,25 @@ class RecordKeeper:
         # record is not written again (save after an eval forward rewrote megabytes of scales).
         self._last: tuple | None = None
         self.header = ""  # comment lines written above the record: the model's fingerprint
+        self.large_model = False  # whether build took the large-model path (pipeline.takes_large_path)
         self.large = None  # the model's LargeRuntime (large/runtime.py) when build gave it one
         self.record_text = None  # the record's fast printer (record.file_io.FastText) when build gave one
         self.training_forwards = 0  # counted for the bad-value guard's message
         self._locating = False  # the guard is running a batch again: the hooks stand aside
+        # Found at the first forward (a model's modules do not change after build): what a
+        # forward may change (rollback.stateful_modules), the quantization-parameter tables of
+        # its activation quantizers, one per format, and the steady copy's buffers.
+        self._stateful: list | None = None
+        self._tables: list = []
+        self._steady = None
         # What was installed from a record is already in it: only later changes need a write
         # (an evaluation script restoring from a live job's record must not rewrite it).
         self.mark_recorded()
 
     def __getstate__(self) -> dict:
         # Copies (the export's working copy) share no write in flight: a thread cannot be copied.
-        return {**self.__dict__, "_writer": None, "_write_error": None, "_last": None}
+        return {**self.__dict__, "_writer": None, "_write_error": None, "_last": None, "_stateful": None,
+                "_tables": [], "_steady": None}
 
     @property
     def techniques(self) -> list:
@@ -90,6 +99,25 @@ class RecordKeeper:
 
     # The keeper's hooks are host bookkeeping (snapshots, counters, the bad-value guard's read):
     # a compiled model runs them eagerly, one break before and one after its forward.
+    def _modules_of(self, model: nn.Module) -> list:
+        """``rollback.stateful_modules`` of ``model``, found once; the activation quantizers
+        among them take their quantization parameters from one table per format."""
+        if self._stateful is None:
+            from openamct.quant.act_qparams import QParamTable
+            from openamct.training.rollback import SteadyCopy, stateful_modules
+
+            self._stateful = stateful_modules(model, self.layers)
+            by_format: dict = {}
+            for m, _ in self._stateful:
+                if isinstance(m, ActULQ):
+                    by_format.setdefault(m.format, []).append(m)
+            self._tables = [QParamTable(qs, fmt) for fmt, qs in by_format.items()]
+            for table in self._tables:
+                for q in table.quantizers:
+                    q.use_table(table)
+            self._steady = SteadyCopy()
+        return self._stateful
+
     @torch.compiler.disable
     def before_forward(self, model: nn.Module, args, kwargs) -> None:
         from openamct.training.rollback import ForwardSnapshot
@@ -97,7 +125,10 @@ class RecordKeeper:
         if self._locating:
             return
         self.undo_failed_forward()
-        self._snapshot = ForwardSnapshot(self.layers, model.training, model)
+        modules = self._modules_of(model)
+        for table in self._tables:  # once per forward for all quantizers (a no-op while clips stand)
+            table.refresh()
+        self._snapshot = ForwardSnapshot(modules, model.training, self._steady)
         if self._snapshot.masks_due:
             self.wait()  # a mask file in writing reads the masks this forward may recompute
         if model.training:
@@ -142,7 +173,7 @@ class RecordKeeper:
         try:
             from openamct.training.rollback import ForwardSnapshot
 
-            snap = ForwardSnapshot(self.layers, model.training, model)
+            snap = ForwardSnapshot(self._modules_of(model), model.training)
             where = locate(model, watched, args, kwargs)
             snap.restore()
         finally:
@@ -203,7 +234,8 @@ class RecordKeeper:
     def build(self, sidecar: SidecarOut | None = None) -> ScaleOffsetRecord:
         record = ScaleOffsetRecord()
         for technique, state in self.applied:
-            if sidecar is not None and technique.writes_sidecar:
+            # Masks go to a mask file only on the large path: other records keep upstream's format.
+            if sidecar is not None and technique.writes_sidecar and self.large_model:
                 technique.to_record(state, self.layers, record, sidecar=sidecar)
             else:
                 technique.to_record(state, self.layers, record)
