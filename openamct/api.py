@@ -67,34 +67,42 @@ def _check_inputs_distinct(**paths: Any) -> None:
                                  "(the record is rewritten during training and would overwrite the other)")
 
 
-def _create(api: str, model, input_data, config_defination, record_file) -> nn.Module:
+def _check_large(large_model: Any) -> None:
+    check_type("large_model", large_model, bool, allow_none=True)
+
+
+def _create(api: str, model, input_data, config_defination, record_file, large_model) -> nn.Module:
     model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
     check_type("config_defination", config_defination, str)
+    _check_large(large_model)
     check_output("record_file", record_file, "record", {"config_defination": config_defination})
-    return pipeline.create(model, input_data, config_defination, record_file, api)
+    return pipeline.create(model, input_data, config_defination, record_file, api, large_model=large_model)
 
 
-def _restore(api: str, model, input_data, **paths) -> nn.Module:
+def _restore(api: str, model, input_data, large_model, **paths) -> nn.Module:
     """``paths`` in the caller's argument order, so the first wrong one is the one named."""
     model = _check_common(model, input_data, **paths)
     check_type("config_defination", paths["config_defination"], str)
+    _check_large(large_model)
     _check_inputs_distinct(**{k: v for k, v in paths.items() if k != "state_dict_name"})
     return pipeline.restore(model, input_data, paths["config_defination"], paths["record_file"],
-                            paths["pth_file"], paths["state_dict_name"], api)
+                            paths["pth_file"], paths["state_dict_name"], api, large_model=large_model)
 
 
 # -- 2:4 structured sparsity and channel pruning ("prune" family) --------------------------------
 
-def create_prune_retrain_model(model, input_data, config_defination, record_file):
+def create_prune_retrain_model(model, input_data, config_defination, record_file, *, large_model=None):
     """Return a copy of ``model`` pruned as ``config_defination`` says (filter pruning and/or 2:4);
-    the decisions go to ``record_file``."""
-    return _create("prune", model, input_data, config_defination, record_file)
+    the decisions go to ``record_file``. ``large_model``: the large-model switch
+    (docs/large-models.md; None: taken for CPU models from 200M parameters)."""
+    return _create("prune", model, input_data, config_defination, record_file, large_model)
 
 
-def restore_prune_retrain_model(model, input_data, record_file, config_defination, pth_file, state_dict_name=None):
+def restore_prune_retrain_model(model, input_data, record_file, config_defination, pth_file, state_dict_name=None,
+                                *, large_model=None):
     """Rebuild the pruned model from the original ``model`` and ``record_file``, then load ``pth_file``."""
-    return _restore("prune", model, input_data, record_file=record_file, config_defination=config_defination,
-                    pth_file=pth_file, state_dict_name=state_dict_name)
+    return _restore("prune", model, input_data, large_model, record_file=record_file,
+                    config_defination=config_defination, pth_file=pth_file, state_dict_name=state_dict_name)
 
 
 def save_prune_retrain_model(model, save_path, input_data, input_names=None, output_names=None, dynamic_axes=None):
@@ -105,15 +113,17 @@ def save_prune_retrain_model(model, save_path, input_data, input_names=None, out
 
 # -- combined sparsity + quantization ("compressed" family) -------------------------------------
 
-def create_compressed_retrain_model(model, input_data, config_defination, record_file):
-    """Prune channels, then 2:4, then insert INT8 quantizers, as ``config_defination`` says."""
-    return _create("compressed", model, input_data, config_defination, record_file)
+def create_compressed_retrain_model(model, input_data, config_defination, record_file, *, large_model=None):
+    """Prune channels, then 2:4, then insert INT8 quantizers, as ``config_defination`` says.
+    ``large_model``: the large-model switch (docs/large-models.md)."""
+    return _create("compressed", model, input_data, config_defination, record_file, large_model)
 
 
-def restore_compressed_retrain_model(model, input_data, config_defination, record_file, pth_file, state_dict_name=None):
+def restore_compressed_retrain_model(model, input_data, config_defination, record_file, pth_file, state_dict_name=None,
+                                     *, large_model=None):
     """Replay ``record_file`` on the original ``model``, insert the quantizers, load ``pth_file``."""
-    return _restore("compressed", model, input_data, config_defination=config_defination, record_file=record_file,
-                    pth_file=pth_file, state_dict_name=state_dict_name)
+    return _restore("compressed", model, input_data, large_model, config_defination=config_defination,
+                    record_file=record_file, pth_file=pth_file, state_dict_name=state_dict_name)
 
 
 def save_compressed_retrain_model(model, record_file, save_path, input_data, input_names=None, output_names=None,
@@ -137,22 +147,27 @@ def create_quant_retrain_config(config_file, model, input_data, config_definatio
     write_quant_json(config_file, analysis.plan, analysis.techniques)
 
 
-def create_quant_retrain_model(config_file, model, record_file, input_data):
-    """Insert INT8 QAT quantizers as ``config_file`` (JSON from create_quant_retrain_config, or a .cfg) says."""
+def create_quant_retrain_model(config_file, model, record_file, input_data, *, large_model=None):
+    """Insert INT8 QAT quantizers as ``config_file`` (JSON from create_quant_retrain_config, or a .cfg) says.
+    ``large_model``: the large-model switch (docs/large-models.md)."""
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, record_file=record_file)
+    _check_large(large_model)
     check_output("record_file", record_file, "record", {"config_file": config_file})
-    return pipeline.create(model, input_data, config_file, record_file, "quant", config_arg="config_file")
+    return pipeline.create(model, input_data, config_file, record_file, "quant", config_arg="config_file",
+                           large_model=large_model)
 
 
-def restore_quant_retrain_model(config_file, model, record_file, input_data, pth_file, state_dict_name=None):
+def restore_quant_retrain_model(config_file, model, record_file, input_data, pth_file, state_dict_name=None,
+                                *, large_model=None):
     """Rebuild the QAT model from the original ``model`` and load ``pth_file``."""
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, record_file=record_file, pth_file=pth_file,
                           state_dict_name=state_dict_name)
+    _check_large(large_model)
     _check_inputs_distinct(config_file=config_file, record_file=record_file, pth_file=pth_file)
     return pipeline.restore(model, input_data, config_file, record_file, pth_file, state_dict_name, "quant",
-                            config_arg="config_file")
+                            config_arg="config_file", large_model=large_model)
 
 
 def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,

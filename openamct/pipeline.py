@@ -30,7 +30,6 @@ from openamct.graph.capture import capture_graph
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
 from openamct.graph.parametrized import evaluate_parametrizations
-from openamct.large import attach as large
 from openamct.module_tree import set_module
 from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
@@ -41,6 +40,38 @@ from openamct.training.keeper import RecordKeeper
 from openamct.training.placement import place_added_modules
 
 logger = logging.getLogger(__name__)
+
+# Parameters from which a model whose tensors are all on the CPU takes the large-model machinery
+# (``openamct/large/``) when ``large_model`` is left unset; docs/large-models.md says what it
+# buys on either side.
+LARGE_MODEL_PARAMS = 200_000_000
+
+
+def takes_large_path(model: nn.Module, large_model: bool | None) -> bool:
+    """The large-model switch: ``large_model`` True or False, or None for the default (every
+    tensor on the CPU and at least ``LARGE_MODEL_PARAMS`` parameters). Its pieces are CPU-only:
+    True for a model with a tensor elsewhere is a ValueError."""
+    if large_model is not None and not isinstance(large_model, bool):
+        raise TypeError(f"large_model: expected a bool or None, got {type(large_model).__name__}")
+    if large_model is False:
+        return False
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    on_cpu = devices == {"cpu"}
+    if large_model:
+        if not on_cpu:
+            raise ValueError(f"large_model=True: the large-model machinery runs on the CPU only, and the model has "
+                             f"tensors on {sorted(devices - {'cpu'}) or 'no device'}; leave large_model unset")
+        return True
+    return on_cpu and sum(p.numel() for p in model.parameters()) >= LARGE_MODEL_PARAMS
+
+
+def _record_text(large: bool):
+    """The record's fast printer and parser (``record.file_io.FastText``) on the large path."""
+    if not large:
+        return None
+    from openamct.large.attach import RECORD_TEXT
+
+    return RECORD_TEXT
 
 
 def is_compressed(model: nn.Module) -> bool:
@@ -73,13 +104,14 @@ def analyse(model: nn.Module, input_data: Any, config: str | None, api: str,
 
 
 def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api: str, restoring: bool,
-           config_arg: str, techniques: Sequence[Technique]) -> nn.Module:
+           config_arg: str, techniques: Sequence[Technique], large_model: bool | None) -> nn.Module:
     if is_compressed(model):
         raise ValueError("model already contains openamct modules: pass the original (uncompressed) model; "
                          "to resume training use restore_* with the original model")
     techniques = ordered(techniques)  # before any work: a cycle or unknown name is refused here
+    large = takes_large_path(model, large_model)
     if restoring:
-        record = read_record(record_file, large.RECORD_TEXT)
+        record = read_record(record_file, _record_text(large))
         _check_owned(record, techniques)
     else:
         folder = os.path.dirname(os.path.abspath(record_file))
@@ -126,7 +158,10 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     keeper.attach(work)
     keeper.decisions = decisions.of_model(applied, layers)
     decisions.attach(work, keeper.decisions)
-    large.at_build(work, keeper, layers)  # the large-model hooks (openamct/large/__init__.py)
+    if large:  # branch point: the large-model hooks (openamct/large/__init__.py)
+        from openamct.large.attach import at_build
+
+        at_build(work, keeper, layers)
     return work
 
 
@@ -162,19 +197,25 @@ def _check_owned(record: ScaleOffsetRecord, techniques: Sequence[Technique]) -> 
 
 
 def create(model: nn.Module, input_data: Any, config: str, record_file: str, api: str,
-           config_arg: str = "config_defination", techniques: Sequence[Technique] = TECHNIQUES) -> nn.Module:
-    work = _build(model, input_data, config, record_file, api, False, config_arg, techniques)
+           config_arg: str = "config_defination", techniques: Sequence[Technique] = TECHNIQUES,
+           large_model: bool | None = None) -> nn.Module:
+    work = _build(model, input_data, config, record_file, api, False, config_arg, techniques, large_model)
     work._openamct.flush()
     return work
 
 
 def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pth_file: str,
             state_dict_name: str | None, api: str, config_arg: str = "config_defination",
-            techniques: Sequence[Technique] = TECHNIQUES) -> nn.Module:
+            techniques: Sequence[Technique] = TECHNIQUES, large_model: bool | None = None) -> nn.Module:
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
-    work = _build(model, input_data, config, record_file, api, True, config_arg, techniques)
-    load_into(work, pth_file, state_dict_name, large.part_loader(work))
+    work = _build(model, input_data, config, record_file, api, True, config_arg, techniques, large_model)
+    loader = None
+    if work._openamct.large_model:
+        from openamct.large.attach import part_loader
+
+        loader = part_loader(work)
+    load_into(work, pth_file, state_dict_name, loader)
     decisions.check_checkpoint(work, work._openamct.decisions, pth_file)
     try:
         work._openamct.after_checkpoint()
@@ -222,9 +263,14 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         # an nn.MultiheadAttention left as it is (compressed/attention.py): its fused no-grad path
         # (aten::_native_multi_head_attention) has no ONNX export; the unfused path computes the
         # same function.
+        streamed = None
+        if keeper.large_model:  # branch point: the large path saves a weight at a time
+            from openamct.large.attach import streamed_save
+
+            streamed = streamed_save(model)
         with _mha_fastpath(False):
             export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
-                        techniques=keeper.techniques, streamed_save=large.streamed_save(model))
+                        techniques=keeper.techniques, streamed_save=streamed)
     except torch.onnx.OnnxExporterError as exc:
         _remove_empty(made)
         raise explain_export_error(model, exc) from None

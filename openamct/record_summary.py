@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 
-from openamct.large.attach import RECORD_TEXT
 from openamct.record import attrs
-from openamct.record.file_io import read_record
+from openamct.record.file_io import LARGE_RECORD_BYTES, read_record
 from openamct.techniques.sparsity24 import masks_in_record
 
 
+def _fast_text(path: str):
+    """The large path's record parser for a record of ``LARGE_RECORD_BYTES`` and more (a large
+    model's); None (``text_format``) for the rest."""
+    try:
+        large = os.path.getsize(path) >= LARGE_RECORD_BYTES
+    except OSError:
+        return None  # read_record names the file
+    if not large:
+        return None
+    from openamct.large.attach import RECORD_TEXT
+
+    return RECORD_TEXT
+
+
 def report_record(path: str) -> dict:
-    record = read_record(path, RECORD_TEXT)
+    record = read_record(path, _fast_text(path))
     layers: dict[str, dict] = {}
 
     def entry(name: str) -> dict:

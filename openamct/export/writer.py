@@ -123,10 +123,11 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     Works on deep copies in eval mode, on the CPU: the caller's model (DDP-wrapped or not, on
     any device) is left as it was. Without any quantized layer (prune-only) both files get the same plain float export.
 
-    ``streamed_save`` is the save's branch point: the pipeline passes
-    ``openamct.large.streamed_save.export_pair_streamed`` for a model whose tensors are all on
-    the CPU (``openamct.large.attach.streamed_save``), which writes each folded weight while it
-    is computed, one at a time; None (any other model) folds both models whole here.
+    ``streamed_save`` is the save's branch point: on the large path (``pipeline.takes_large_path``)
+    the pipeline passes ``openamct.large.streamed_save.export_pair_streamed`` for a model whose
+    tensors are all on the CPU (``openamct.large.attach.streamed_save``), which writes each
+    folded weight while it is computed, one at a time; None (any other model) folds both models
+    whole here.
     """
     folder = os.path.dirname(os.path.abspath(fake_path))
     names = {"input_names": input_names, "output_names": output_names, "dynamic_axes": dynamic_axes,

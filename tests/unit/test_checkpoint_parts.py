@@ -43,7 +43,7 @@ def trained(tmp_path_factory):
     cfg, rec, pth = (str(folder / n) for n in ("c.cfg", "r.txt", "ckpt.pth"))
     with open(cfg, "w") as f:
         f.write(CFG)
-    work = amct.create_compressed_retrain_model(Tied(), IDS, cfg, rec)
+    work = amct.create_compressed_retrain_model(Tied(), IDS, cfg, rec, large_model=True)
     opt = torch.optim.SGD([p for p in work.parameters() if p.requires_grad], lr=0.1)
     for _ in range(3):
         work(IDS).logsumexp(-1).mean().backward()
@@ -66,7 +66,7 @@ def test_a_restore_in_parts_is_the_restore_in_one(trained, part_bytes, at_least,
     monkeypatch.setattr(checkpoint, "LOAD_PART_BYTES", part_bytes)
     monkeypatch.setattr(checkpoint, "LOAD_PARTS", at_least)
     monkeypatch.setattr(checkpoint, "drop_file_pages", spy)
-    back = amct.restore_compressed_retrain_model(Tied(), IDS, cfg, rec, pth, "state_dict")
+    back = amct.restore_compressed_retrain_model(Tied(), IDS, cfg, rec, pth, "state_dict", large_model=True)
     want, got = work.state_dict(), back.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert back.emb.weight is back.head.weight  # still one weight
@@ -133,7 +133,7 @@ def _big_table_checkpoint(folder, poison: bool = False):
     with open(cfg, "w") as f:
         f.write(CFG)
     ids = torch.randint(0, 65536, (2, 8), generator=torch.Generator().manual_seed(1))
-    work = amct.create_compressed_retrain_model(BigTable(), ids, cfg, rec)
+    work = amct.create_compressed_retrain_model(BigTable(), ids, cfg, rec, large_model=True)
     work(ids).sum().backward()
     with torch.no_grad():
         work.emb.weight.add_(1.0)  # not the caller's values: the restore must copy them in
@@ -158,7 +158,7 @@ def test_a_tensor_larger_than_a_part_is_copied_a_slice_at_a_time(tmp_path, monke
 
     monkeypatch.setattr(checkpoint, "drop_file_pages", spy(checkpoint.drop_file_pages))
     monkeypatch.setattr(checkpoint, "drop_file_range", spy(checkpoint.drop_file_range))
-    back = amct.restore_compressed_retrain_model(BigTable(), ids, cfg, rec, pth, "state_dict")
+    back = amct.restore_compressed_retrain_model(BigTable(), ids, cfg, rec, pth, "state_dict", large_model=True)
     assert torch.equal(back.emb.weight, work.emb.weight) and torch.equal(back.fc.weight, work.fc.weight)
     total = sum(t.nbytes for t in back.state_dict().values())
     slice_bytes = max(checkpoint.MIN_SLICE_BYTES, min(checkpoint.LOAD_PART_BYTES, total // checkpoint.LOAD_PARTS))
@@ -173,4 +173,4 @@ def test_a_tensor_larger_than_a_part_is_copied_a_slice_at_a_time(tmp_path, monke
 def test_a_non_finite_value_in_a_later_slice_fails_the_restore_by_name(tmp_path):
     _, ids, cfg, rec, pth = _big_table_checkpoint(tmp_path, poison=True)
     with pytest.raises(ValueError, match=r"'emb\.weight' holds 1 NaN/inf value"):
-        amct.restore_compressed_retrain_model(BigTable(), ids, cfg, rec, pth, "state_dict")
+        amct.restore_compressed_retrain_model(BigTable(), ids, cfg, rec, pth, "state_dict", large_model=True)

@@ -11,7 +11,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.large import fused_linear
 from openamct.large.fused_linear import masked_quant_linear
 from openamct.large.runtime import LargeRuntime
-from openamct.prune.nm import NMSparsifier, _MaskSTE, apply_mask, compute_nm_mask
+from openamct.prune.nm import NMSparsifier, apply_bits, apply_mask, compute_nm_mask, masked_ste
 from openamct.quant.functions import arq_scales, arq_weight_fake_quant
 from openamct.quant.quantizers import WeightARQ
 from openamct.record.mask_codec import pack_bits
@@ -25,7 +25,7 @@ def _names() -> set[str]:
 
 
 def _composed(x, w, b, mask_bits, channel_wise, transposed):
-    wm = w if mask_bits is None else _MaskSTE.apply(w, mask_bits)
+    wm = w if mask_bits is None else masked_ste(w, mask_bits, apply_bits)
     wq = wm if channel_wise is None else arq_weight_fake_quant(wm, channel_wise, int(transposed))
     return nn.functional.linear(x, wq.t() if transposed else wq, b)
 
@@ -62,7 +62,7 @@ def _both_paths(shape, transposed, bias, masked, channel_wise):
     assert after_forward == ({"weight"} if fused_linear.SLICED_MAX_ROWS < x.numel() // 64 else {"slice"})
     assert (scales is None) == (channel_wise is None)
     if channel_wise is not None:  # the scales of mask(w), bit for bit, whichever path
-        wm = w.detach() if mask is None else _MaskSTE.apply(w.detach(), mask)
+        wm = w.detach() if mask is None else masked_ste(w.detach(), mask, apply_bits)
         assert torch.equal(scales, arq_scales(wm, channel_wise, int(transposed)))
     return y, y_ref, got, ref
 

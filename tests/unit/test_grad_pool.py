@@ -187,7 +187,7 @@ def test_training_with_the_pool_lands_on_the_same_weights_bit_for_bit(tmp_path, 
     cfg = tmp_path / "c.cfg"
     cfg.write_text(_CFG)
     x = torch.randn(8, 64)
-    work = amct.create_compressed_retrain_model(model, x, str(cfg), str(tmp_path / "r.txt"))
+    work = amct.create_compressed_retrain_model(model, x, str(cfg), str(tmp_path / "r.txt"), large_model=True)
     twin = copy.deepcopy(work)
     batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
 

@@ -52,7 +52,7 @@ def trained(tmp_path, update_freq=0, steps=1):
     torch.manual_seed(0)
     x = torch.randn(4, 3, 32, 32)
     rec = str(tmp_path / "rec.txt")
-    model = amct.create_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, update_freq), rec)
+    model = amct.create_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path, update_freq), rec, large_model=True)
     sgd_steps(model, x, steps=steps)
     return model, x, rec
 
@@ -77,7 +77,7 @@ def test_masks_go_to_a_named_verified_file_and_eval_only_adds_scales(tmp_path, s
     assert masks and all(torch.equal(masks[n], layers[n].sparsity.mask) for n in masks)
     ck = str(tmp_path / "ck.pth")
     torch.save(model.state_dict(), ck)
-    restored = amct.restore_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path), rec, ck)
+    restored = amct.restore_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path), rec, ck, large_model=True)
     restored.eval()
     assert torch.allclose(restored(x), y, atol=1e-5)
 
@@ -102,7 +102,7 @@ def test_a_changed_mask_file_is_refused_naming_it(tmp_path, sidecar_always, tamp
         path.unlink()
         match = "cannot be read"
     with pytest.raises(ValueError, match=match) as err:
-        amct.restore_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path), rec, ck)
+        amct.restore_compressed_retrain_model(MODELS["MobileNetV2Tiny"](), x[:1], cfg(tmp_path), rec, ck, large_model=True)
     assert str(path) in str(err.value) and "rec.txt" in str(err.value)
 
 
