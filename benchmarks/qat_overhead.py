@@ -20,6 +20,10 @@ the process's peak RSS (VmHWM) and its growth over the RSS measured just before 
 training step (model, data and clip init already in memory). It measures whole-process memory
 (allocator caching included), not tensor bytes.
 
+Eval: the forward of the training model in eval mode under ``torch.no_grad()`` (what a
+validation pass runs), against the float model's, interleaved the same way. openamct keeps each
+layer's folded, quantized weight between eval forwards, so only the activations are quantized.
+
 Usage: python benchmarks/qat_overhead.py [--steps 15] [--profile]
 """
 
@@ -192,6 +196,28 @@ def time_interleaved(stem: str, steps: int, warmup: int) -> dict[str, tuple[floa
             for v, ts in times.items()}
 
 
+def time_eval_interleaved(stem: str, steps: int, warmup: int) -> dict[str, float]:
+    """Median wall seconds of an eval-mode forward under no_grad, per variant."""
+    variants = ["fp32", "openamct"]
+    runs = {}
+    for v in variants:
+        model, step = build(v, stem)
+        step()  # one training step first: the eval pass follows training, as in a real run
+        model.eval()
+        x = torch.randn(BATCH, 3, RES, RES)
+        runs[v] = (model, x)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            for v in (variants if i % 2 == 0 else variants[::-1]):
+                model, x = runs[v]
+                t0 = time.perf_counter()
+                model(x)
+                if i >= warmup:
+                    times[v].append(time.perf_counter() - t0)
+    return {v: statistics.median(ts) for v, ts in times.items()}
+
+
 def profile(stem: str) -> None:
     _, step = build("openamct", stem)
     for _ in range(3):
@@ -231,6 +257,10 @@ def main() -> None:
         for v, (t, c) in med.items():
             print(f"  {v:9s} wall {t * 1e3:8.1f} ms  {t / base:5.2f}x FP32   "
                   f"cpu {c * 1e3:8.1f} ms  {c / cbase:5.2f}x FP32")
+        ev = time_eval_interleaved(stem, args.steps, args.warmup)
+        print(f"[{stem} stem] eval forward under no_grad (wall, median, interleaved)")
+        for v, t in ev.items():
+            print(f"  {v:9s} wall {t * 1e3:8.1f} ms  {t / ev['fp32']:5.2f}x FP32")
         if not args.no_memory:
             mem = {v: measure_memory(v, stem) for v in med}
             print(f"[{stem} stem] peak RSS of a fresh process running 5 steps "

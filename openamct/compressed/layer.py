@@ -14,6 +14,7 @@ skipped; other quantizers take the literal path.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,7 @@ from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
 from openamct.prune.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
-from openamct.quant.functions import ulq_qparams
+from openamct.quant.functions import graph_mode, ulq_qparams
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, host_flag
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,49 @@ class CompressedLayer(WeightOp):
                 self._scales_seen = (self._weight_key(), seen)
         return w, b
 
+    def _kept_weight_bias(self) -> tuple[Tensor, Tensor | None]:
+        """``effective_weight_bias``, computed once per change of what it reads when no gradient
+        is to reach it (an evaluation pass): an eval forward then quantizes no weight. Not kept
+        in training mode (the optimizer changes the weights every step), while a graph is
+        captured or compiled, or on the large-model path (its weights are not doubled)."""
+        if (self.training or self.large is not None or graph_mode() or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and any(p.requires_grad for p in self._weight_inputs(params=True)))):
+            self.__dict__.pop("_eval_kept", None)
+            return self.effective_weight_bias()
+        tensors = list(self._weight_inputs(params=False))
+        kept = self.__dict__.get("_eval_kept")
+        if kept is not None and len(kept[0]) == len(tensors) and all(
+                r() is t and v == t._version for (r, v), t in zip(kept[0], tensors, strict=True)):
+            return kept[1]
+        wb = self.effective_weight_bias()
+        self.__dict__["_eval_kept"] = ([(weakref.ref(t), t._version) for t in tensors], wb)
+        return wb
+
+    def _weight_inputs(self, params: bool):
+        """The tensors ``effective_weight_bias`` reads (with ``params``: the parameters among them
+        a gradient could reach)."""
+        yield self.weight
+        if self.bias is not None:
+            yield self.bias
+        for part in (self.bn, self.wts_quant):
+            if part is not None:
+                yield from part.parameters()
+                if not params:
+                    yield from part.buffers()
+        if params:
+            return
+        if self.sparsity is not None:
+            yield self.sparsity.mask_bits
+        for n in self.mask_names:
+            yield getattr(self, n).mask
+        if isinstance(self.act_quant, ActULQ):  # the bias's int32 grid
+            yield from (self.act_quant.clip_max, self.act_quant.clip_min, self.act_quant.fixed_min)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_eval_kept", None)  # derived, and weak references do not copy
+        return state
+
     def _weight_key(self) -> tuple:
         """Changes whenever the masked weight can have: an in-place update of the weight or of
         a mask bumps its ``_version``; a new tensor has another address."""
@@ -220,7 +264,7 @@ class CompressedLayer(WeightOp):
             # computes a plain-weight-path Linear on CPU tensors with no weight-sized temporaries.
             y = self.large.forward(self, x)
         else:
-            y = self._op(x, *self.effective_weight_bias())
+            y = self._op(x, *self._kept_weight_bias())
         if self.out_observer is not None:
             y = self.out_observer(y)
         if self.out_quant is not None:
@@ -245,6 +289,8 @@ class CompressedLayer(WeightOp):
     def train(self, mode: bool = True) -> CompressedLayer:
         if not mode and getattr(self, "large", None) is not None:  # eval and export hold no training scratch
             self.large.release()
+        if mode:
+            self.__dict__.pop("_eval_kept", None)  # training changes the weights: no eval copy kept
         return super().train(mode)
 
     def _forward_fold_train(self, x: Tensor) -> Tensor:

@@ -144,3 +144,26 @@ def test_the_cpu_runs_the_ops_another_device_runs_and_copies_nothing_to_it(tmp_p
         _step(m, xm)
     assert [op for op in ops.ops if op not in GUARD] == on_cpu
     assert ops.host_to_device == 0
+
+
+def test_an_eval_pass_quantizes_no_weight_and_sees_every_change(tmp_path):
+    """Eval forwards keep the folded, masked, quantized weights while nothing they are made of
+    changes: no weight reduction in the second forward, and a changed weight, BatchNorm
+    statistic or mask is seen by the next one."""
+    m, x = _created(tmp_path, "2:4+int8")
+    _steady(m, x, True)
+    m.eval()
+    with torch.no_grad():
+        first = m(x)
+        with Ops() as counted:
+            again = m(x)
+        assert torch.equal(again, first)
+        assert "aten.linalg_vector_norm.default" not in counted.ops, collections.Counter(counted.ops)
+        for change in (lambda: m.c1.weight.mul_(1.5), lambda: m.c2.bn.running_var.mul_(4.0),
+                       lambda: m.fc1.sparsity.mask_bits.zero_()):
+            before = m(x)
+            change()
+            after = m(x)
+            for layer in (m.c1, m.c2, m.fc1, m.fc2):
+                layer.__dict__.pop("_eval_kept", None)
+            assert torch.equal(after, m(x)) and not torch.equal(after, before)
