@@ -10,28 +10,31 @@ from openamct.layer_types import layer_type_of
 
 CONV_ATTRS = ("stride", "padding", "dilation", "groups", "padding_mode", "output_padding")
 
-# One generated class per (wrapper, original layer class): created on first use, kept so that
-# instances pickle by name (torch.save of a whole model) and isinstance checks stay cheap.
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
 def as_layer_class(wrapper: type, layer_cls: type) -> type:
     """A subclass of ``wrapper`` that is also ``layer_cls``: code around a compressed layer
     (``isinstance(m, nn.Conv2d)``, Hugging Face's ``isinstance(m, Conv1D)``) sees what it
-    saw before. The wrapper comes first, so its ``__init__``, ``forward`` and repr win."""
+    saw before. The wrapper comes first, so its ``__init__``, ``forward`` and repr win.
+
+    A new class per call, registered nowhere: its instances pickle and deep-copy through
+    ``__reduce_ex__``, which names the wrapper and the layer class (both importable), not the
+    generated class."""
     if issubclass(layer_cls, wrapper):
         layer_cls = layer_cls._layer_cls
-    key = (wrapper, layer_cls)
-    cls = _CLASSES.get(key)
-    if cls is None:
-        name = f"{wrapper.__name__}_{layer_cls.__name__}"
-        while name in globals():
-            name += "_"
-        cls = type(name, (wrapper, layer_cls), {"__module__": __name__, "__qualname__": name,
-                                                "_layer_cls": layer_cls})
-        globals()[name] = cls
-        _CLASSES[key] = cls
-    return cls
+    name = f"{wrapper.__name__}_{layer_cls.__name__}"
+    return type(name, (wrapper, layer_cls), {"__module__": __name__, "__qualname__": name,
+                                            "_layer_cls": layer_cls, "_wrapper_cls": wrapper,
+                                            "__reduce_ex__": _reduce_generated})
+
+
+def _new_generated(wrapper: type, layer_cls: type):
+    """An empty instance of ``as_layer_class(wrapper, layer_cls)`` (pickle and copy then set its
+    state)."""
+    cls = as_layer_class(wrapper, layer_cls)
+    return cls.__new__(cls)
+
+
+def _reduce_generated(self, protocol):
+    return _new_generated, (type(self)._wrapper_cls, type(self)._layer_cls), self.__getstate__()
 
 
 def public_attrs(module: nn.Module) -> dict:

@@ -58,15 +58,11 @@ def saturation_note(what: str) -> str:
             f"{what} (docs/export.md)")
 
 
-_warned = False
-
-
 def warn_if_u8s8_saturates() -> bool:
-    """Log once per process that this CPU's ORT kernels saturate; whether they do."""
-    global _warned
+    """Log, for the report about to be printed, that this CPU's ORT kernels saturate; whether
+    they do. (Its callers print one report each: one WARNING per report.)"""
     saturates = u8s8_saturates()
-    if saturates and not _warned:
-        _warned = True
+    if saturates:
         logger.warning(
             "this CPU is x86-64 without VNNI: ONNX Runtime's uint8 x int8 kernels here add products in "
             "int16 and saturate, so the deploy model run here can differ from the fake-quant model by "
