@@ -31,6 +31,7 @@ from openamct.compressed.recurrent import (
     run_recurrent,
     squeeze_output,
 )
+from openamct.export.element_types import storage_dtype
 from openamct.export.export_layer import QDQAct
 from openamct.module_tree import set_module
 
@@ -81,10 +82,17 @@ class RecurrentFake(nn.Module):
         return squeeze_output(out, self.mode == "LSTM", self.batch_first) if unbatched else out
 
 
-def _unused(g):
-    n = g.op("prim::Constant")
-    n.setType(torch._C.OptionalType.ofTensor())
-    return n
+def _state_inputs(g, x, h0, c0, mode: str) -> list:
+    """ONNX LSTM/GRU inputs after B: none when there is no initial state (the optional inputs
+    are left off the end); else ``sequence_lens`` (every sequence full: T for each of the B
+    batch entries, the same as none) and the initial state."""
+    if h0 is None:
+        return []
+    shape = g.op("Shape", x)  # [T, B, I]
+    steps = g.op("Cast", g.op("Gather", shape, g.op("Constant", value_t=torch.tensor(0)), axis_i=0), to_i=6)
+    batch = g.op("Gather", shape, g.op("Constant", value_t=torch.tensor([1])), axis_i=0)
+    lens = g.op("Expand", steps, batch)  # int32 [B]
+    return [lens, h0, c0] if mode == "LSTM" else [lens, h0]
 
 
 class _RnnOp(Function):
@@ -129,15 +137,14 @@ class _RnnOp(Function):
                 out.append(g.op("Unsqueeze", g.op("Concat", *dq, axis_i=0), axes))
         w = ws[0] if dirs == 1 else g.op("Concat", *ws, axis_i=0)
         r = rs[0] if dirs == 1 else g.op("Concat", *rs, axis_i=0)
-        b = _unused(g) if bias is None else bias
-        h0 = _unused(g) if h0 is None else h0
+        # No bias: ONNX's default, zeros, written out.
+        b = g.op("Constant", value_t=torch.zeros(dirs, 2 * GATES[mode] * hidden)) if bias is None else bias
+        state = _state_inputs(g, x, h0, c0, mode)
         direction = "bidirectional" if dirs == 2 else "forward"
         if mode == "LSTM":
-            c0 = _unused(g) if c0 is None else c0
-            y, yh, yc = g.op("LSTM", x, w, r, b, _unused(g), h0, c0, hidden_size_i=hidden,
-                             direction_s=direction, outputs=3)
+            y, yh, yc = g.op("LSTM", x, w, r, b, *state, hidden_size_i=hidden, direction_s=direction, outputs=3)
         else:
-            y, yh = g.op("GRU", x, w, r, b, _unused(g), h0, hidden_size_i=hidden, direction_s=direction,
+            y, yh = g.op("GRU", x, w, r, b, *state, hidden_size_i=hidden, direction_s=direction,
                          linear_before_reset_i=1, outputs=2)
         # Y [T, D, B, H] -> [T, B, D*H], as torch's output
         y = g.op("Transpose", y, perm_i=[0, 2, 1, 3])
@@ -168,13 +175,13 @@ class RecurrentDeploy(nn.Module):
                         s = layer.weight_scales(name).float().reshape(-1)
                         fmt = q.format
                         grid = torch.round(layer.quantized_weight(name).detach().float() / s[:, None])
-                        grid = grid.clamp(fmt.qmin, fmt.qmax).to(torch.int8)
+                        grid = grid.clamp(fmt.qmin, fmt.qmax).to(storage_dtype(fmt))
                         blocks = zip(_to_onnx(grid, self.mode).chunk(GATES[self.mode]),
                                      _to_onnx(s, self.mode).chunk(GATES[self.mode]))
                         for j, (qj, sj) in enumerate(blocks):  # ONNX's gate order
                             self.register_buffer(f"{name}_g{j}_int8", qj.contiguous())
                             self.register_buffer(f"{name}_g{j}_scale", sj.contiguous())
-                            self.register_buffer(f"{name}_g{j}_zero", torch.zeros(sj.shape, dtype=torch.int8))
+                            self.register_buffer(f"{name}_g{j}_zero", torch.zeros(sj.shape, dtype=grid.dtype))
                 if self.bias:
                     b = [torch.cat([_to_onnx(getattr(layer, f"bias_{w}_l{k}{'_reverse' if d else ''}").detach(),
                                              self.mode) for w in ("ih", "hh")]) for d in range(dirs)]

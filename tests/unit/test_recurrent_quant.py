@@ -212,3 +212,40 @@ def test_a_record_written_before_recurrent_layers_were_quantized_restores(tmp_pa
     (tmp_path / "other.txt").write_text(renamed)
     with pytest.raises(ValueError, match="describes another model"):
         amct.restore_compressed_retrain_model(SeqNet(), x, cfg, str(tmp_path / "other.txt"), str(tmp_path / "m.pth"))
+
+
+class StateNet(nn.Module):
+    """An LSTM (or GRU) started from an initial state the caller gives."""
+
+    def __init__(self, kind=nn.LSTM):
+        super().__init__()
+        self.rnn = kind(6, 8, batch_first=True, bidirectional=True)
+        self.kind = kind
+
+    def forward(self, x, h0, c0):
+        y, _ = self.rnn(x, (h0, c0) if self.kind is nn.LSTM else h0)
+        return y[:, -1]
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_an_initial_state_reaches_the_deploy_models_recurrence(tmp_path, kind):
+    """The deploy file's LSTM/GRU reads the initial state (its optional inputs written out: full
+    sequence lengths, the state), and gives the fake-quant file's output in ONNX Runtime."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(3, 5, 6), torch.randn(2, 3, 8), torch.randn(2, 3, 8))
+    m = amct.create_compressed_retrain_model(StateNet(kind), inputs, write_cfg(tmp_path), str(tmp_path / "r.txt"))
+    m.eval()
+    m(*inputs)
+    amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "out"), inputs)
+    runs = {}
+    for which in ("fake_quant", "deploy"):
+        s = ort.InferenceSession(str(tmp_path / f"out_{which}_model.onnx"), providers=["CPUExecutionProvider"])
+        feed = {i.name: t.numpy() for i, t in zip(s.get_inputs(), inputs)}
+        runs[which] = s.run(None, feed)[0]
+    node = next(n for n in onnx.load(str(tmp_path / "out_deploy_model.onnx")).graph.node if n.op_type == kind.__name__)
+    assert len(node.input) >= 6 and node.input[5], list(node.input)  # initial_h is wired, not left off
+    assert _cos(runs["deploy"], runs["fake_quant"]) > 0.999
+    zero = tuple(t if i == 0 else torch.zeros_like(t) for i, t in enumerate(inputs))
+    s = ort.InferenceSession(str(tmp_path / "out_deploy_model.onnx"), providers=["CPUExecutionProvider"])
+    moved = s.run(None, {i.name: t.numpy() for i, t in zip(s.get_inputs(), zero)})[0]
+    assert not np.allclose(moved, runs["deploy"])  # the state changes the output

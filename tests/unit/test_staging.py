@@ -322,3 +322,17 @@ def test_zero_views_are_zeros_no_page_backs_and_stay_placeholders_after_growth()
         assert not is_placeholder(torch.zeros(4, 8)) and not is_placeholder(big.clone())
     finally:
         zeros.release()
+
+
+def test_the_written_framing_is_protobufs_own():
+    """The streamed writer frames each tensor by hand (so its bytes go to the file without a
+    copy into a message): the framing must be the bytes protobuf itself writes, at every varint
+    length boundary."""
+    from openamct.large.staging import _graph_chunk
+
+    for size in (0, 1, 100, 127, 128, 16_383, 16_384, 2_097_152):
+        t = onnx.TensorProto(name="w", dims=[size], data_type=onnx.TensorProto.UINT8, raw_data=bytes(size))
+        body = t.SerializeToString()
+        chunk = onnx.ModelProto()
+        chunk.graph.initializer.append(t)
+        assert _graph_chunk(len(body)) + body == chunk.SerializeToString(), size

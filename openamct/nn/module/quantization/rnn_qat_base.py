@@ -21,6 +21,8 @@ an ONNX LSTM: both converted files leave it float (the graph flow's fake-quant m
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -31,6 +33,24 @@ from openamct.quant.functions import graph_mode
 from openamct.techniques.quantization import make_act_quantizer, make_weight_quantizer
 
 __all__ = ["RecurrentQAT"]
+
+
+@contextlib.contextmanager
+def untraced():
+    """A region a legacy ``torch.jit`` trace (``torch.onnx.export(dynamo=False)``) does not
+    record: what is computed there enters the trace as constants. torch has no public form of
+    this; its private tracing-state functions are checked to exist here, and
+    ``tests/unit/test_torch_private_apis.py`` fails loudly when torch changes what they do."""
+    get, put = (getattr(torch._C, n, None) for n in ("_get_tracing_state", "_set_tracing_state"))
+    if get is None or put is None:
+        raise ValueError("this torch cannot pause a trace (torch._C._get_tracing_state is gone): export the "
+                         "single-op LSTM/GRU QAT modules with the torch version openamct is tested with")
+    state = get()
+    put(None)
+    try:
+        yield
+    finally:
+        put(state)
 
 
 class RecurrentQAT(RecurrentLayer):
@@ -94,13 +114,8 @@ class RecurrentQAT(RecurrentLayer):
                              "exporter cannot compute its int8 weights (fake tensors)")
         # Exported: the int8 weights are computed here, outside the trace (constants of the
         # file), and the input quantizers write their int8 Q/DQ pairs.
-        state = torch._C._get_tracing_state()
-        torch._C._set_tracing_state(None)
-        try:
-            with torch.no_grad():
-                deploy = RecurrentDeploy(self, x_pre=self.x_quant)
-        finally:
-            torch._C._set_tracing_state(state)
+        with untraced(), torch.no_grad():
+            deploy = RecurrentDeploy(self, x_pre=self.x_quant)
         return deploy(input, hx)
 
     def extra_repr(self) -> str:
