@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-__all__ = ["QuantFormat", "INT8_ACT", "INT8_WEIGHT", "INT4_WEIGHT", "INT16_ACT", "DEFAULT", "activation_format",
-           "weight_format", "WEIGHT_FORMATS", "ACTIVATION_FORMATS", "QAT_MODULE_ACTIVATION_FORMATS"]
+__all__ = ["QuantFormat", "INT8_ACT", "INT8_WEIGHT", "INT4_WEIGHT", "INT16_ACT", "UINT8_ACT", "DEFAULT",
+           "activation_format", "weight_format", "unsigned", "WEIGHT_FORMATS", "ACTIVATION_FORMATS",
+           "QAT_MODULE_ACTIVATION_FORMATS"]
 
 DEFAULT = "INT8"  # the config's and the record's default data type
 
@@ -70,6 +71,17 @@ INT4_WEIGHT = QuantFormat("INT4", 4, per_channel=True, axis=0)  # weight-only
 # them through ONNX Runtime's int16 QuantizeLinear/DequantizeLinear (com.microsoft domain, CPU),
 # in front of a float kernel: ORT has no int16 Conv/Gemm.
 INT16_ACT = QuantFormat("INT16", 16, signed=True, symmetric=False)
+
+# The deploy model's activations: ONNX Runtime's fast CPU integer kernels read uint8 activations
+# (int8 ones ran no faster than FP32), so a trained INT8 grid goes out as the UINT8 grid of the
+# same scale, its zero point moved up by ``unsigned(fmt)``'s shift (``-fmt.qmin``: 128).
+UINT8_ACT = QuantFormat("UINT8", 8, signed=False, symmetric=False)
+
+
+def unsigned(fmt: QuantFormat) -> tuple[QuantFormat, int]:
+    """The unsigned format of ``fmt``'s width and what a zero point moves by into it."""
+    return replace(fmt, name=f"UINT{fmt.bits}", signed=False), -fmt.qmin
+
 
 # Which config/record DataType names each role accepts (per-channel entries; ``weight_format``
 # sets the granularity a layer asks for).

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import numpy as np
 import onnx
 import torch
 
 from openamct.formats import QuantFormat
 
-__all__ = ["onnx_element_type", "storage_dtype", "STORAGE_ONNX_TYPES"]
+__all__ = ["onnx_element_type", "storage_dtype", "numpy_dtype", "STORAGE_ONNX_TYPES"]
 
 _ELEMENT_TYPES = MappingProxyType({
     (8, True): onnx.TensorProto.INT8, (8, False): onnx.TensorProto.UINT8,
@@ -42,3 +43,11 @@ def storage_dtype(fmt: QuantFormat) -> torch.dtype:
     if fmt.bits > 8:
         raise ValueError(f"format {fmt.name}: the deploy model stores weights of at most 8 bits")
     return torch.int8 if fmt.signed else torch.uint8
+
+
+def numpy_dtype(fmt: QuantFormat) -> np.dtype:
+    """The numpy dtype that holds ``fmt``'s values in a file written with numpy: the storage
+    dtype for weights of at most 8 bits, int16/uint16 for 16-bit activations."""
+    if fmt.bits > 8:
+        return np.dtype(np.int16 if fmt.signed else np.uint16)
+    return np.dtype(np.int8 if fmt.signed else np.uint8)

@@ -7,14 +7,18 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from openamct.export.element_types import numpy_dtype
 from openamct.export.onnx_graph import OnnxGraph
+from openamct.formats import INT8_ACT, UINT8_ACT
+
+_INT8, _UINT8 = numpy_dtype(INT8_ACT), numpy_dtype(UINT8_ACT)  # the grids integer kernels read
 
 PASS_OPS = {"Relu", "Clip", "MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
 
 
 def qparams(g: OnnxGraph, q: onnx.NodeProto) -> tuple | None:
     s, zp = g.const(q.input[1]), g.const(q.input[2]) if len(q.input) > 2 else None
-    if s is None or zp is None or s.size != 1 or zp.dtype not in (np.int8, np.uint8):
+    if s is None or zp is None or s.size != 1 or zp.dtype not in (_INT8, _UINT8):
         return None  # (a single-op INT16 input pair feeds a float kernel: not an integer-kernel input)
     return float(s.reshape(())), int(zp.reshape(())), zp.dtype
 
@@ -148,8 +152,10 @@ def _skippable(g: OnnxGraph, op: onnx.NodeProto, p: tuple) -> bool:
 
 
 def _uint8(lo: float, hi: float) -> tuple[float, int]:
-    s = float(max(np.float32(hi - lo) / np.float32(255), np.finfo(np.float32).eps))
-    return s, int(np.clip(np.rint(-lo / s), 0, 255))
+    """The deploy activation format's (scale, zero point) of the range [lo, hi] (lo <= 0 <= hi)."""
+    f = UINT8_ACT
+    s = float(max(np.float32(hi - lo) / np.float32(f.levels), np.finfo(np.float32).eps))
+    return s, int(np.clip(np.rint(f.qmin - lo / s), f.qmin, f.qmax))
 
 
 def _fallback(g: OnnxGraph, y: str, rng: tuple[float, float]) -> bool:
@@ -167,7 +173,7 @@ def _fallback(g: OnnxGraph, y: str, rng: tuple[float, float]) -> bool:
     if g.is_output(y):
         return False
     s, zp = _uint8(min(lo, 0.0), max(hi, 0.0))
-    g.insert_qdq(y, s, zp, np.uint8)
+    g.insert_qdq(y, s, zp, _UINT8)
     return True
 
 

@@ -16,7 +16,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from openamct.export.element_types import numpy_dtype
+from openamct.formats import INT8_WEIGHT
+
 __all__ = ["dynamic_quantize_lstm"]
+
+_INT8 = numpy_dtype(INT8_WEIGHT)  # DynamicQuantizeLSTM's weights are int8
 
 DOMAIN = "com.microsoft"
 
@@ -42,7 +47,7 @@ def _dq_weights(nodes_by_out: dict, inits: dict, name: str) -> tuple[np.ndarray,
             if p is None or p.op_type != "DequantizeLinear" or any(i not in inits for i in p.input[:3]):
                 return None
             q, sc, z = (numpy_helper.to_array(inits[i]) for i in p.input[:3])
-            if q.dtype != np.int8 or q.ndim != 2 or np.any(z != 0):
+            if q.dtype != _INT8 or q.ndim != 2 or np.any(z != 0):
                 return None
             q_rows.append(q)
             s_rows.append(np.broadcast_to(sc, (q.shape[0],)))
@@ -72,7 +77,7 @@ def dynamic_quantize_lstm(src: str, dst: str) -> int:
         for tag, (q, s, drop) in (("W", w), ("R", r)):
             base = f"{n.name or n.output[0]}_{tag}"
             tensors = {f"{base}_int8": np.ascontiguousarray(q.transpose(0, 2, 1)),
-                       f"{base}_scale": s, f"{base}_zero": np.zeros(s.shape, np.int8)}
+                       f"{base}_scale": s, f"{base}_zero": np.zeros(s.shape, _INT8)}
             g.initializer.extend(numpy_helper.from_array(v, k) for k, v in tensors.items())
             ins[1 if tag == "W" else 2] = f"{base}_int8"
             extra += [f"{base}_scale", f"{base}_zero"]

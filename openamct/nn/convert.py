@@ -36,9 +36,11 @@ from torch import nn
 from openamct._atomic import temp_prefix
 from openamct._checks import check_type, save_paths
 from openamct.export.deploy import finish_deploy
+from openamct.export.element_types import numpy_dtype
 from openamct.export.export_layer import inputs_on_cpu, working_copy
 from openamct.export.ids import SAVE_ID_KEY, hash_model
 from openamct.export.writer import export_to_file, write_onnx
+from openamct.formats import INT8_ACT, INT8_WEIGHT, UINT8_ACT, unsigned
 from openamct.nn.module.quantization.base import QATLayer
 from openamct.nn.module.quantization.rnn_qat_base import RecurrentQAT
 from openamct.nn.qat_onnx import (
@@ -52,6 +54,9 @@ from openamct.nn.qat_onnx import (
 from openamct.output_paths import check_output, check_path_syntax
 
 logger = logging.getLogger(__name__)
+
+# The single-op modules' weight format: their exported Q/DQ pairs hold INT8 grids.
+WEIGHT = INT8_WEIGHT
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: int16 QuantizeLinear/DequantizeLinear on the CPU
 
@@ -90,14 +95,14 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     shape = [1] * wf.ndim
     shape[axis] = -1
     scales = w.scales.astype(np.float32)
-    q = np.clip(np.rint(wf / (scales.reshape(shape) if w.axis is not None else scales[0])), -128, 127)
+    q = np.clip(np.rint(wf / (scales.reshape(shape) if w.axis is not None else scales[0])), WEIGHT.qmin, WEIGHT.qmax)
     rng = None
     if layer.marker is not None:
         m = layer.marker
         # A scale at the floor: an observer that never saw a batch (torch.export writes the pair
         # anyway, it cannot read the flag): no range.
         if m.scale > 2 * float(np.finfo(np.float32).eps):
-            rng = ((0 - m.zero_point) * m.scale, (255 - m.zero_point) * m.scale)
+            rng = ((UINT8_ACT.qmin - m.zero_point) * m.scale, (UINT8_ACT.qmax - m.zero_point) * m.scale)
         skip_pair(g, m)
     fold = _bn_fold(g, layer)
     per_channel = w.axis is not None
@@ -106,7 +111,7 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
         cout = wf.shape[axis]
         scales = (np.broadcast_to(scales, (cout,)) * np.abs(c)).astype(np.float32)
         q = q * np.where(c < 0, -1.0, 1.0).astype(np.float32).reshape(shape)
-        q = np.clip(q, -128, 127)
+        q = np.clip(q, WEIGHT.qmin, WEIGHT.qmax)
         per_channel = True
         b = g.const(layer.node.input[2]) if len(layer.node.input) > 2 and layer.node.input[2] else None
         b = np.zeros(cout, np.float32) if b is None else b.astype(np.float32)
@@ -121,9 +126,10 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
             rng = (float(ends.min()), float(ends.max()))
         g.replace_uses(bn.output[0], layer.node.output[0])
         g.remove(bn)
-    qname = g.add_init(q.astype(np.int8), f"{w.name}_int8")
+    stored = numpy_dtype(WEIGHT)
+    qname = g.add_init(q.astype(stored), f"{w.name}_int8")
     sname = g.add_init(scales if per_channel else scales.reshape(()), f"{w.name}_scale")
-    zname = g.add_init(np.zeros(scales.shape if per_channel else (), np.int8), f"{w.name}_zero_point")
+    zname = g.add_init(np.zeros(scales.shape if per_channel else (), stored), f"{w.name}_zero_point")
     dq = g.make("DequantizeLinear", [qname, sname, zname], **({"axis": axis} if per_channel else {}))
     if layer.transpose is not None:
         g.set_input(layer.transpose, 0, dq.output[0])
@@ -154,7 +160,8 @@ def write_deploy(qg: QatGraph) -> dict[str, tuple[float, float]]:
             for n in a.ops:
                 g.remove(n)
             continue
-        z = g.add_init(np.array(a.zero_point + 128, np.uint8), f"{a.q.input[0]}_zero_point_u8")
+        deploy, shift = unsigned(INT8_ACT)
+        z = g.add_init(np.array(a.zero_point + shift, numpy_dtype(deploy)), f"{a.q.input[0]}_zero_point_u8")
         g.set_input(a.q, 2, z)
         g.set_input(a.dq, 2, z)
     g.finish()

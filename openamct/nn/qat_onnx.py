@@ -30,9 +30,14 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from openamct.export.element_types import numpy_dtype
 from openamct.export.onnx_graph import OnnxGraph
+from openamct.formats import INT8_ACT, UINT8_ACT
 
 logger = logging.getLogger(__name__)
+
+# A QAT input pair's grid and an output-range marker's (openamct.nn.module.quantization.base).
+_INT8, _UINT8 = numpy_dtype(INT8_ACT), numpy_dtype(UINT8_ACT)
 
 __all__ = ["ActPair", "WeightPair", "OnnxQatLayer", "QatGraph", "read_qat", "write_fake_quant", "fake_weight", "skip_pair",
            "rounded_bias"]
@@ -128,13 +133,13 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
         dq, s, zp = found
         src = g.const(q.input[0])
         if src is not None:
-            if src.dtype == np.float32 and zp.dtype == np.int8 and not np.any(zp):
+            if src.dtype == np.float32 and zp.dtype == _INT8 and not np.any(zp):
                 axis = g.attr(q, "axis", 1) if s.size > 1 else None
                 weights[dq.output[0]] = WeightPair(q, dq, q.input[0], s.reshape(-1), axis)
             continue
-        if s.size == 1 and zp.dtype in (np.int8, np.uint8):
+        if s.size == 1 and zp.dtype in (_INT8, _UINT8):
             pair = ActPair(q, dq, float(s.reshape(())), int(zp.reshape(())), zp.dtype.type)
-            (out.markers if zp.dtype == np.uint8 else out.acts).append(pair)
+            (out.markers if zp.dtype == _UINT8 else out.acts).append(pair)
             acts[dq.output[0]] = pair
     for pair in _wide_acts(g):
         out.acts.append(pair)
@@ -151,7 +156,7 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
         if n.op_type == "Gemm" and (g.attr(n, "transA", 0) or not g.attr(n, "transB", 0)):
             continue  # torch exports a Linear as Gemm(transB=1)
         act = acts.get(n.input[0])
-        layer = OnnxQatLayer(n, weights[w], act if act is not None and act.dtype is not np.uint8 else None, transpose)
+        layer = OnnxQatLayer(n, weights[w], act if act is not None and act.dtype != _UINT8 else None, transpose)
         users = g.users(n.output[0])
         if len(users) == 1:
             layer.marker = next((m for m in out.markers if m.q is users[0]), None)

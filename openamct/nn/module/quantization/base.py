@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
-from openamct.formats import QAT_MODULE_ACTIVATION_FORMATS
+from openamct.formats import QAT_MODULE_ACTIVATION_FORMATS, UINT8_ACT
 from openamct.nn.module.quantization.config import QatConfig, parse_qat_config
 from openamct.quant.functions import graph_mode, ulq_qparams
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QATLayer", "MARKER_QMIN", "MARKER_QMAX", "CONV_FIELDS", "CONV_TRANSPOSE_FIELDS"]
 
-MARKER_QMIN, MARKER_QMAX = 0, 255  # the output-range pair: uint8, unlike the int8 quantizers
+# The output-range pair: the deploy activation format (uint8), unlike the int8 quantizers.
+MARKER_QMIN, MARKER_QMAX = UINT8_ACT.qmin, UINT8_ACT.qmax
 
 
 # ``QATLayer._ctor_fields`` of the convolutions and the transposed ones.
@@ -126,7 +127,7 @@ class QATLayer(CompressedLayer):
         obs = self.out_observer
         if torch.compiler.is_exporting() or bool(obs.initialized):
             lo, hi = obs.min_val.float().clamp(max=0.0), obs.max_val.float().clamp(min=0.0)
-            s = ((hi - lo) / 255.0).clamp(min=float(np.finfo(np.float32).eps))
+            s = ((hi - lo) / UINT8_ACT.levels).clamp(min=float(np.finfo(np.float32).eps))
             zp = torch.round(-lo / s).clamp(MARKER_QMIN, MARKER_QMAX).to(torch.int32)
             y = torch.fake_quantize_per_tensor_affine(y, s, zp, MARKER_QMIN, MARKER_QMAX)
         return y
