@@ -158,7 +158,7 @@ class NMSparsifier(nn.Module):
         return kept[1]
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state.pop("_dense", None)  # derived from mask_bits: a copy unpacks its own
         return state
 

@@ -195,7 +195,7 @@ class ActULQ(nn.Module):
         return y
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state["_last"] = None  # weak references do not pickle
         state.pop("_qtable", None)  # tables hold device tensors of one model: a copy makes its own
         state.pop("_own_table", None)
