@@ -29,10 +29,12 @@ cores its page faults' wait is system CPU, so that ratio is the first step witho
 page cost (``memory_probe.py`` run on its own prints that cost as a process grows). The last line
 prints each large-model target (docs/large-models.md) beside its figure.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py [--sizes 60m,250m] [--seq 64] [--threads 2] [--large on]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --sizes 1.1b --allow-1b   # needs ~20 GB
 
-Random weights, eager attention, no downloads. Timings on a shared machine are noisy: compare
+``--large`` sets the large-model switch (``large_model`` of create_*/restore_*, docs/large-models.md):
+``on`` and ``off`` compare what the machinery buys at one size. Random weights, eager attention,
+no downloads. Timings on a shared machine are noisy: compare
 ratios measured in one run, not across runs.
 """
 
@@ -105,7 +107,7 @@ def _setup(size: str, seq: int, folder: str):
     return build(size), inputs(seq), cfg, os.path.join(folder, "record.txt")
 
 
-def run_lifecycle(size: str, seq: int, folder: str) -> dict:
+def run_lifecycle(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     import torch
 
     import openamct as amct
@@ -114,7 +116,7 @@ def run_lifecycle(size: str, seq: int, folder: str) -> dict:
     out = {"params": sum(p.numel() for p in model.parameters()), "weights": weight_bytes(model),
            "base_rss": rss()}
     with Peak() as p:
-        work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+        work = amct.create_compressed_retrain_model(model, ids, cfg, rec, large_model=large)
     out["create"] = p.row()
     work.train()
     opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
@@ -161,7 +163,7 @@ def _timed_evals(model, ids, n: int) -> list[float]:
     return times
 
 
-def run_ort_load(size: str, seq: int, folder: str) -> dict:
+def run_ort_load(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """Both saved files loaded by ONNX Runtime, each in turn, in a fresh process."""
     import onnxruntime as ort
 
@@ -172,7 +174,7 @@ def run_ort_load(size: str, seq: int, folder: str) -> dict:
     return {"ort_load": p.row()}
 
 
-def run_restore(size: str, seq: int, folder: str) -> dict:
+def run_restore(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """Restore from the lifecycle's record and checkpoint in a fresh process, as a resumed job
     does; its peak above the caller's freshly built model."""
     import openamct as amct
@@ -181,11 +183,12 @@ def run_restore(size: str, seq: int, folder: str) -> dict:
     ids = inputs(seq)
     with Peak() as p:
         amct.restore_compressed_retrain_model(model, ids, os.path.join(folder, "cfg.cfg"),
-                                              os.path.join(folder, "record.txt"), os.path.join(folder, "ckpt.pth"))
+                                              os.path.join(folder, "record.txt"), os.path.join(folder, "ckpt.pth"),
+                                              large_model=large)
     return {"restore": p.row()}
 
 
-def run_chain(size: str, seq: int, folder: str) -> dict:
+def run_chain(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """create -> eval forward -> save in a fresh process: the acceptance's chain, its peak
     above what the process held with the caller's model built."""
     import torch
@@ -194,7 +197,7 @@ def run_chain(size: str, seq: int, folder: str) -> dict:
 
     model, ids, cfg, rec = _setup(size, seq, folder)
     with Peak() as p:
-        work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+        work = amct.create_compressed_retrain_model(model, ids, cfg, rec, large_model=large)
         work.eval()
         with torch.no_grad():
             work(**ids)
@@ -202,7 +205,7 @@ def run_chain(size: str, seq: int, folder: str) -> dict:
     return {"chain": p.row()}
 
 
-def run_steps(size: str, seq: int, folder: str) -> dict:
+def run_steps(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     import torch
 
     model = build(size)
@@ -214,7 +217,7 @@ def run_steps(size: str, seq: int, folder: str) -> dict:
     return out
 
 
-def run_copy_steps(size: str, seq: int, folder: str) -> dict:
+def run_copy_steps(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """Plain FP32 training of a deep copy while the caller's model stays held: what a toolkit
     that never edits the caller's model holds before its first step, without compressing
     anything. On VMs whose host backs memory lazily the pages a process touches past its first
@@ -233,7 +236,7 @@ def run_copy_steps(size: str, seq: int, folder: str) -> dict:
     return {"deepcopy": p.row(), **_sampled_steps(work, ids, opt, "copy_step")}
 
 
-def run_warm_first(size: str, seq: int, folder: str) -> dict:
+def run_warm_first(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """Ours again, with 1.5 W written and freed just before the first step: the guest kernel
     hands those pages back while the host still backs them, so this first step pays what a
     machine without lazy host memory would for its new pages. A diagnostic beside
@@ -244,7 +247,7 @@ def run_warm_first(size: str, seq: int, folder: str) -> dict:
     import openamct as amct
 
     model, ids, cfg, rec = _setup(size, seq, folder)
-    work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+    work = amct.create_compressed_retrain_model(model, ids, cfg, rec, large_model=large)
     work.train()
     opt = torch.optim.SGD([q for q in work.parameters() if q.requires_grad], lr=1e-4)
     warm = torch.ones(int(1.5 * weight_bytes(model)) // 4)
@@ -280,7 +283,7 @@ def _quiet_steps(model, ids, opt) -> list[float]:
 INTERLEAVED = (6, 40, 120.0)  # pairs of steady steps, ours and FP32: at least, at most, seconds to stop adding
 
 
-def run_interleaved(size: str, seq: int, folder: str) -> dict:
+def run_interleaved(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """Steady steps of ours and of plain FP32, alternating in one process (docs/dev/platform.md:
     fake-quant training cost is measured this way): both see the same moment of the machine, whose
     speed drifts by tens of percent between processes minutes apart on a shared VM. The caller's
@@ -290,7 +293,7 @@ def run_interleaved(size: str, seq: int, folder: str) -> dict:
     import openamct as amct
 
     model, ids, cfg, rec = _setup(size, seq, folder)
-    work = amct.create_compressed_retrain_model(model, ids, cfg, rec)
+    work = amct.create_compressed_retrain_model(model, ids, cfg, rec, large_model=large)
     runs = {}
     for name, m in (("ours", work), ("fp32", model)):
         m.train()
@@ -315,7 +318,7 @@ def run_interleaved(size: str, seq: int, folder: str) -> dict:
     return {"interleaved": times}
 
 
-def run_export(size: str, seq: int, folder: str) -> dict:
+def run_export(size: str, seq: int, folder: str, large: bool | None = None) -> dict:
     """A plain float export in a fresh process (after training steps the allocator would
     already hold memory the export reuses, and its peak would look smaller)."""
     import warnings
@@ -331,6 +334,8 @@ def run_export(size: str, seq: int, folder: str) -> dict:
     return {"plain_export": p.row()}
 
 
+LARGE = {"on": True, "off": False, "auto": None}  # --large -> large_model
+
 PARTS = {"lifecycle": run_lifecycle, "ort_load": run_ort_load, "restore": run_restore, "chain": run_chain,
          "steps": run_steps, "copy_steps": run_copy_steps, "warm_first": run_warm_first, "export": run_export, "interleaved": run_interleaved}
 
@@ -340,15 +345,16 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     if args.folder:  # the lifecycle's files, read by the parts after it
-        print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, args.folder)), flush=True)
+        print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, args.folder, LARGE[args.large])),
+              flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="openamct-scale-") as folder:
-        print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, folder)), flush=True)
+        print("RESULT " + json.dumps(PARTS[args.part](args.size, args.seq, folder, LARGE[args.large])), flush=True)
 
 
 def spawn(part: str, size: str, args, folder: str | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--size", size, "--seq", str(args.seq),
-           "--threads", str(args.threads)] + (["--folder", folder] if folder else [])
+           "--threads", str(args.threads), "--large", args.large] + (["--folder", folder] if folder else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -363,6 +369,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--allow-1b", action="store_true", help="run 1.1b (about 20 GB peak: not on a shared machine)")
+    ap.add_argument("--large", choices=tuple(LARGE), default="auto",
+                    help="the large-model switch, create_*/restore_*'s large_model: on, off, or auto (default: "
+                         "taken from 200M parameters)")
     ap.add_argument("--part", choices=tuple(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
