@@ -132,6 +132,19 @@ class QATLayer(CompressedLayer):
             y = torch.fake_quantize_per_tensor_affine(y, s, zp, MARKER_QMIN, MARKER_QMAX)
         return y
 
+    def _check_output_size(self, x: Tensor, output_size) -> None:
+        """A transposed conv's ``output_size`` (upstream's forward takes it): accepted when it is
+        the size the module's ``output_padding`` gives, since the quantized forward and the ONNX
+        file carry one fixed output padding; else a ValueError saying which one it needs."""
+        if output_size is None:
+            return
+        need = tuple(self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size,
+                                          len(self.kernel_size), self.dilation))
+        if need != tuple(self.output_padding):
+            raise ValueError(f"output_size: {list(output_size)} needs output_padding {need}, but this "
+                             f"{type(self).__name__} was built with output_padding {tuple(self.output_padding)}: build "
+                             f"it with output_padding={need} (keyword) for that size")
+
     def _export_input(self, x: Tensor) -> Tensor:
         """The input quantizer as exported: Q/DQ for INT8; for a wider format, which no torch
         exporter writes as Q/DQ, the same arithmetic as float ops (Mul by 1/s, Round, Add zp,

@@ -12,20 +12,20 @@ __all__ = ["ConvTranspose1dQAT"]
 
 
 class ConvTranspose1dQAT(QATLayer, nn.ConvTranspose1d):
-    """``nn.ConvTranspose1d``'s constructor plus ``config``; ``from_float(mod, config)``."""
+    """Upstream's constructor: ``nn.ConvTranspose1d``'s arguments in upstream's positional order
+    (``dilation`` and ``groups`` right after ``padding``, as ``Conv1dQAT`` takes them), then
+    ``config``; torch's ``output_padding`` (which upstream's constructor lacks) is keyword-only.
+    ``from_float(mod, config)`` keeps ``mod``'s output_padding."""
 
     _ctor_fields = CONV_TRANSPOSE_FIELDS
     _layer_cls = nn.ConvTranspose1d
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0, groups=1,
-                 bias=True, dilation=1, padding_mode="zeros", device=None, dtype=None, config=None) -> None:
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
+                 padding_mode="zeros", device=None, dtype=None, config=None, *, output_padding=0) -> None:
         nn.ConvTranspose1d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, output_padding,
                                     groups, bias, dilation, padding_mode, device=device, dtype=dtype)
         self._setup_qat(config)
 
-
     def forward(self, x, output_size=None):
-        if output_size is not None:
-            raise ValueError(f"output_size: {type(self).__name__} takes its output size from output_padding; "
-                             "set output_padding instead of passing output_size")
+        self._check_output_size(x, output_size)
         return super().forward(x)
