@@ -11,7 +11,9 @@ here, QuantizeLinear/DequantizeLinear excepted):
 - its weight: ``QuantizeLinear(W, s_w, 0 int8, axis) -> DequantizeLinear`` on a float
   initializer W (a ``WeightPair``), read by a Conv, ConvTranspose or Gemm (``OnnxQatLayer``), or by
   MatMul through a Transpose (a Linear on a 3-D input);
-- its output, once trained: a uint8 pair with the observed output range (a ``Marker``).
+- its output, once trained: a uint8 pair with the observed output range (a ``Marker``);
+- an LSTM/GRU module (``rnn_qat_base``): its input pair, and an ONNX LSTM/GRU whose weights are
+  int8 constants read through DequantizeLinear (``QatGraph.recurrent``), kept as they are.
 
 The fake-quant model reproduces the eval-mode torch model: each weight is stored fake-quantized
 (torch's own kernel, so the same bits as the layer's eval forward), each bias rounded to the
@@ -43,6 +45,9 @@ __all__ = ["ActPair", "WeightPair", "OnnxQatLayer", "QatGraph", "read_qat", "wri
            "rounded_bias"]
 
 ANCHORS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+RECURRENT = ("LSTM", "GRU", "RNN")
+# What lies between a recurrent node's W/R input and its per-gate DequantizeLinear weights.
+_WEIGHT_PLUMBING = ("Unsqueeze", "Concat", "Reshape", "Transpose", "Squeeze")
 
 
 @dataclass
@@ -82,6 +87,7 @@ class QatGraph:
     layers: list[OnnxQatLayer] = field(default_factory=list)
     acts: list[ActPair] = field(default_factory=list)
     markers: list[ActPair] = field(default_factory=list)
+    recurrent: list[onnx.NodeProto] = field(default_factory=list)  # LSTM/GRU nodes on int8 weights
 
 
 def _fold_constants(g: OnnxGraph) -> int:
@@ -161,13 +167,34 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
         if len(users) == 1:
             layer.marker = next((m for m in out.markers if m.q is users[0]), None)
         out.layers.append(layer)
-    if not out.layers:
+    out.recurrent = [n for n in g.topological() if n.op_type in RECURRENT and _int8_weights(g, n)]
+    if not out.layers and not out.recurrent:
         raise ValueError(f"{where}: no QAT layer found (a Conv, ConvTranspose, Gemm or MatMul reading "
-                         "DequantizeLinear(QuantizeLinear(weight)) with an int8 zero point 0): export a model "
-                         "holding openamct.nn.module.quantization QAT modules with torch.onnx.export")
-    logger.info("%s: %d QAT layers, %d input quantizers, %d output ranges", where, len(out.layers),
-                len(out.acts), len(out.markers))
+                         "DequantizeLinear(QuantizeLinear(weight)) with an int8 zero point 0, or an LSTM/GRU "
+                         "reading int8 DequantizeLinear weights): export a model holding "
+                         "openamct.nn.module.quantization QAT modules with torch.onnx.export")
+    logger.info("%s: %d QAT layers, %d recurrent QAT layers, %d input quantizers, %d output ranges", where,
+                len(out.layers), len(out.recurrent), len(out.acts), len(out.markers))
     return out
+
+
+def _int8_weights(g: OnnxGraph, n: onnx.NodeProto) -> bool:
+    """Whether a recurrent node's input weights W come from DequantizeLinear of int8
+    constants (what ``LSTMQAT``/``GRUQAT`` export), through the ops that stack the gates."""
+    todo, seen = [n.input[1]] if len(n.input) > 1 else [], set()
+    while todo:
+        name = todo.pop()
+        p = g.producer(name)
+        if p is None or name in seen:
+            continue
+        seen.add(name)
+        if p.op_type == "DequantizeLinear":
+            c = g.const(p.input[0])
+            if c is not None and c.dtype == np.int8:
+                return True
+        elif p.op_type in _WEIGHT_PLUMBING:
+            todo.extend(i for i in p.input if i)
+    return False
 
 
 def _const_operand(g: OnnxGraph, n, value_first: bool = False):
