@@ -7,6 +7,7 @@ changing the import line (``import openamct as amct``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from torch import nn
@@ -21,7 +22,7 @@ from openamct._checks import (
     save_paths,
     unwrap,
 )
-from openamct.output_paths import check_output, check_path_syntax, same_file
+from openamct.output_paths import check_output, check_path_syntax, folder_for, same_file
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _create(api: str, model, input_data, config_defination, record_file, large_m
     model = _check_common(model, input_data, config_defination=config_defination, record_file=record_file)
     check_type("config_defination", config_defination, str)
     _check_large(large_model)
-    check_output("record_file", record_file, "record", {"config_defination": config_defination})
+    check_output("record_file", record_file, "record", {"config_defination": config_defination}, make_folder=True)
     return pipeline.create(model, input_data, config_defination, record_file, api, large_model=large_model)
 
 
@@ -142,9 +143,10 @@ def create_quant_retrain_config(config_file, model, input_data, config_definatio
 
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, config_defination=config_defination)
-    check_output("config_file", config_file, "quant_json", {"config_defination": config_defination})
+    check_output("config_file", config_file, "quant_json", {"config_defination": config_defination}, make_folder=True)
     analysis = pipeline.analyse(pipeline.deep_copy(model), input_data, config_defination, "quant")
-    write_quant_json(config_file, analysis.plan, analysis.techniques)
+    with folder_for(config_file):
+        write_quant_json(config_file, analysis.plan, analysis.techniques)
 
 
 def create_quant_retrain_model(config_file, model, record_file, input_data, *, large_model=None):
@@ -153,21 +155,28 @@ def create_quant_retrain_model(config_file, model, record_file, input_data, *, l
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, record_file=record_file)
     _check_large(large_model)
-    check_output("record_file", record_file, "record", {"config_file": config_file})
+    check_output("record_file", record_file, "record", {"config_file": config_file}, make_folder=True)
     return pipeline.create(model, input_data, config_file, record_file, "quant", config_arg="config_file",
                            large_model=large_model)
 
 
 def restore_quant_retrain_model(config_file, model, record_file, input_data, pth_file, state_dict_name=None,
                                 *, large_model=None):
-    """Rebuild the QAT model from the original ``model`` and load ``pth_file``."""
+    """Rebuild the QAT model from the original ``model`` and load ``pth_file``. A record that
+    holds entries is replayed (and checked against the model); a new path, or an empty file, is
+    written as create writes it, the layers built from ``config_file`` (upstream's restore
+    takes the record path as an output)."""
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, record_file=record_file, pth_file=pth_file,
                           state_dict_name=state_dict_name)
     _check_large(large_model)
     _check_inputs_distinct(config_file=config_file, record_file=record_file, pth_file=pth_file)
+    replay = os.path.isfile(record_file) and os.path.getsize(record_file) > 0
+    if not replay:
+        check_output("record_file", record_file, "record", {"config_file": config_file, "pth_file": pth_file},
+                     make_folder=True)
     return pipeline.restore(model, input_data, config_file, record_file, pth_file, state_dict_name, "quant",
-                            config_arg="config_file", large_model=large_model)
+                            config_arg="config_file", replay=replay, large_model=large_model)
 
 
 def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,
@@ -180,12 +189,16 @@ def save_quant_retrain_model(config_file, model, record_file, save_path, input_d
     from openamct.nn.convert import holds_qat_modules, save_qat_model
 
     check_type("config_file", config_file, str)
-    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
-                        config_file)
-    if getattr(model, "_openamct", None) is None and holds_qat_modules(model):
+    plain = unwrap(model)
+    if isinstance(plain, nn.Module) and getattr(plain, "_openamct", None) is None and holds_qat_modules(plain):
+        # config_file and record_file are neither read nor written: not checked as files
+        check_type("record_file", record_file, str)
+        model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes)
         logger.info("save_quant_retrain_model: single-op QAT modules: config_file and record_file are not read")
         save_qat_model(model, save_path, input_data, input_names, output_names, dynamic_axes)
         return
+    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
+                        config_file)
     pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
 
 
@@ -227,8 +240,6 @@ def dynamic_quantize_lstm(deploy_file, save_path):
     check_type("save_path", save_path, str)
     check_path_syntax("deploy_file", deploy_file)
     check_path_syntax("save_path", save_path)
-    import os
-
     if not os.path.isfile(deploy_file):
         raise ValueError(f"deploy_file {deploy_file!r} does not exist or is not a file")
     if same_file(deploy_file, save_path):

@@ -3,8 +3,10 @@
 A call never overwrites one of its own inputs, and never overwrites a file that is not a
 previous output of the same kind: a record file must parse as a ScaleOffsetRecord text, an
 ONNX file as a ModelProto, a quant config as openamct's JSON (it has ``"version"``). The
-folder must exist and accept a new file (probed by creating one: permission bits say nothing
-when running as root, and a read-only mount only shows on a write).
+folder must accept a new file (probed by creating one: permission bits say nothing when running
+as root, and a read-only mount only shows on a write). A folder that does not exist yet is made
+when the file is written (``folder_for``), as upstream makes the folders of its output files;
+until then the nearest existing folder above it is probed.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from openamct._atomic import temp_prefix
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_output", "check_path_syntax", "same_file", "KINDS"]
+__all__ = ["check_output", "check_path_syntax", "same_file", "probe_folder", "folder_for", "KINDS"]
 
 KINDS = {"record": "an openamct/AMCT record file (ScaleOffsetRecord text)",
          "onnx": "an ONNX model",
@@ -51,8 +53,10 @@ def same_file(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _probe_folder(arg: str, path: str, make_folder: bool = False) -> None:
-    folder = os.path.dirname(path)
+def probe_folder(arg: str, path: str, make_folder: bool = False) -> None:
+    """The folder of ``path`` accepts a new file (ValueError naming ``arg`` otherwise); with
+    ``make_folder``, a missing folder is allowed and the nearest existing one above it is probed."""
+    folder = os.path.dirname(os.path.abspath(path))
     if make_folder:  # the folder is made at write time: probe the nearest one that exists
         while not os.path.exists(folder) and os.path.dirname(folder) != folder:
             folder = os.path.dirname(folder)
@@ -126,7 +130,7 @@ def check_output(arg: str, path: str, kind: str, inputs: Mapping[str, str | None
         if isinstance(other, str) and other and "\0" not in other and same_file(full, other):
             raise ValueError(f"{arg} {path!r} is the same file as {name}: it would be overwritten; "
                              f"give {arg} a new path")
-    _probe_folder(arg, full, make_folder)
+    probe_folder(arg, full, make_folder)
     if os.path.exists(full):
         if not os.path.isfile(full):
             raise ValueError(f"{arg} {path!r} exists and is not a regular file")
@@ -136,3 +140,22 @@ def check_output(arg: str, path: str, kind: str, inputs: Mapping[str, str | None
         if not os.access(full, os.W_OK):
             raise ValueError(f"{arg} {path!r} exists and is read-only")
     return full
+
+
+@contextlib.contextmanager
+def folder_for(path: str) -> Iterator[list[str]]:
+    """Make the missing folders of ``path`` for the write inside the ``with``; if it fails,
+    remove the ones made (deepest first, only while empty): a failed call leaves no folder."""
+    made, folder = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    for f in reversed(made):
+        os.mkdir(f)
+    try:
+        yield made
+    except BaseException:
+        for f in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(f)
+        raise

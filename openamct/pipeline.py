@@ -31,6 +31,7 @@ from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
 from openamct.graph.parametrized import evaluate_parametrizations
 from openamct.module_tree import set_module
+from openamct.output_paths import folder_for, probe_folder
 from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
@@ -114,9 +115,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         record = read_record(record_file, _record_text(large))
         _check_owned(record, techniques)
     else:
-        folder = os.path.dirname(os.path.abspath(record_file))
-        if not os.path.isdir(folder):
-            raise ValueError(f"record_file {record_file!r}: folder {folder!r} does not exist")
+        probe_folder("record_file", record_file, make_folder=True)  # made when the record is written
         record = ScaleOffsetRecord()
     from openamct.export.precheck import check_modules
 
@@ -200,16 +199,23 @@ def create(model: nn.Module, input_data: Any, config: str, record_file: str, api
            config_arg: str = "config_defination", techniques: Sequence[Technique] = TECHNIQUES,
            large_model: bool | None = None) -> nn.Module:
     work = _build(model, input_data, config, record_file, api, False, config_arg, techniques, large_model)
-    work._openamct.flush()
+    with folder_for(record_file):
+        work._openamct.flush()
     return work
 
 
 def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pth_file: str,
             state_dict_name: str | None, api: str, config_arg: str = "config_defination",
-            techniques: Sequence[Technique] = TECHNIQUES, large_model: bool | None = None) -> nn.Module:
+            techniques: Sequence[Technique] = TECHNIQUES, replay: bool = True,
+            large_model: bool | None = None) -> nn.Module:
+    """``replay`` false (the QAT family given a new record path, as upstream's restore takes
+    one): the model is built from the config as create builds it, its record written anew."""
     if not os.path.isfile(pth_file):
         raise ValueError(f"pth_file {pth_file!r} does not exist or is not a file")
-    work = _build(model, input_data, config, record_file, api, True, config_arg, techniques, large_model)
+    if replay:
+        work = _build(model, input_data, config, record_file, api, True, config_arg, techniques, large_model)
+    else:
+        work = create(model, input_data, config, record_file, api, config_arg, techniques, large_model)
     loader = None
     if work._openamct.large_model:
         from openamct.large.attach import part_loader

@@ -18,6 +18,7 @@ from openamct._atomic import atomic_write_bytes
 from openamct.config.auto_channel_prune_config_pb2 import AutoChannelPruneConfig
 from openamct.config.parse import ConfigError, load_config, locate, read_config_file
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
+from openamct.output_paths import folder_for, probe_folder
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +127,7 @@ def check_output_path(output_cfg: str, inputs: dict[str, str | None]) -> None:
                              "overwrites one of its inputs; write it somewhere else")
     if os.path.isdir(output_cfg):
         raise ValueError(f"output_cfg {output_cfg!r} is a folder: give a file name such as found.cfg")
-    folder = os.path.dirname(os.path.abspath(output_cfg))
-    if not os.path.isdir(folder):
-        raise ValueError(f"output_cfg {output_cfg!r}: folder {folder!r} does not exist")
+    probe_folder("output_cfg", output_cfg, make_folder=True)  # made when it is written, as upstream does
 
 
 def write_retrain_config(path: str, override: AMCTRetrainConfig, ratios: dict[str, tuple[float, bool]],
@@ -144,5 +143,6 @@ def write_retrain_config(path: str, override: AMCTRetrainConfig, ratios: dict[st
         b.prune_ratio = ratio
         b.ascend_optimized = ascend
     comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
-    atomic_write_bytes(path, (comment + text_format.MessageToString(cfg)).encode("utf-8"))
+    with folder_for(path):
+        atomic_write_bytes(path, (comment + text_format.MessageToString(cfg)).encode("utf-8"))
     return cfg

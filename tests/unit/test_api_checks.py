@@ -78,9 +78,16 @@ def test_create_does_not_mutate_and_refuses_compressed_models(tmp_path):
         amct.create_compressed_retrain_model(out, X, QUANT_CFG, str(tmp_path / "rec2.txt"))
 
 
-def test_record_folder_must_exist(tmp_path):
-    with pytest.raises(ValueError, match="folder .* does not exist"):
-        amct.create_prune_retrain_model(Net001(), X, PRUNE_CFG, str(tmp_path / "no" / "rec.txt"))
+def test_record_folder_is_made_and_a_failed_create_leaves_none(tmp_path):
+    """As upstream, create_* makes the record's folders; only once the model is built."""
+    bad = tmp_path / "bad.cfg"
+    with open(PRUNE_CFG) as f:
+        bad.write_text(f.read() + '\nskip_layers: "nope"\n')
+    with pytest.raises(ValueError, match="layer 'nope' does not exist"):
+        amct.create_prune_retrain_model(Net001(), X, str(bad), str(tmp_path / "no" / "rec.txt"))
+    assert not (tmp_path / "no").exists()
+    amct.create_prune_retrain_model(Net001(), X, PRUNE_CFG, str(tmp_path / "no" / "deeper" / "rec.txt"))
+    assert (tmp_path / "no" / "deeper" / "rec.txt").stat().st_size > 0
 
 
 def test_meta_device_model_is_refused(tmp_path):

@@ -107,12 +107,14 @@ def test_save_never_overwrites_an_input_or_a_foreign_file(tmp_path):
 
 BAD_PATHS = [("", "is empty"), ("/", "is a directory"), ("DIR", "is a directory"),
              ("a\0b", "contains a NUL byte"), ("/proc/rec.txt", "is not writable"),
-             ("/nonexistent/rec.txt", "does not exist")]
+             ("FILE/rec.txt", "is a file, not a folder")]
 
 
 @pytest.mark.parametrize("path,msg", BAD_PATHS)
 def test_bad_record_paths_are_refused_before_any_work(tmp_path, path, msg):
-    path = str(tmp_path) if path == "DIR" else path
+    """(A missing folder is made, as upstream makes it: a path through a file cannot be.)"""
+    (tmp_path / "f").write_text("not a folder")
+    path = str(tmp_path) if path == "DIR" else str(tmp_path / "f" / "rec.txt") if path.startswith("FILE") else path
     model = Counted()
     with pytest.raises(ValueError, match=f"record_file.*{msg}"):
         amct.create_compressed_retrain_model(model, X, _cfg(tmp_path), path)
