@@ -28,7 +28,9 @@ def unwrap(model: Any) -> Any:
     return model
 
 
-def check_model(model: Any, name: str = "model") -> nn.Module:
+def check_model(model: Any, name: str = "model", float32_only: bool = True) -> nn.Module:
+    """``model`` is a plain, finite nn.Module; ``float32_only``: every floating-point parameter
+    is float32 (what create_* trains and exports)."""
     check_type(name, model, nn.Module)
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -48,7 +50,7 @@ def check_model(model: Any, name: str = "model") -> nn.Module:
                          "the Python nn.Module it was made from")
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     odd = next(((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32),
-               None)
+               None) if float32_only else None
     if odd is not None:
         raise ValueError(f"{name} has {odd[1]} tensors ({odd[0]!r}): openamct trains and exports float32 models "
                          f"(see docs/limits.md); call {name}.float() first and cast the returned model if you "
@@ -133,9 +135,9 @@ def check_names(name: str, value: Any) -> None:
 def save_paths(save_path: str) -> tuple[str, str]:
     """(fake_quant_path, deploy_path) for AMCT's save_path prefix rules."""
     check_type("save_path", save_path, str)
-    if not save_path:
-        raise ValueError("save_path must not be empty")
-    if save_path.endswith(("/", os.sep)):
+    if not save_path:  # upstream's rule: the working folder, bare names
+        folder, prefix = ".", ""
+    elif save_path.endswith(("/", os.sep)):
         folder, prefix = save_path, ""
     else:
         folder, base = os.path.split(save_path)

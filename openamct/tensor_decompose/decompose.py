@@ -1,21 +1,20 @@
-"""upstream AMCT's ``auto_decomposition`` and ``decompose_network``, on a copy of the model.
+"""upstream AMCT's ``auto_decomposition`` and ``decompose_network``.
 
-Upstream edits the model in place and returns it; openamct never edits the caller's model, so
-both return a decomposed copy. The documented call ``net, changes = auto_decomposition(net,
-...)`` works the same with either.
+As upstream's, both change the model in place and return it (upstream's documented exception:
+a model that is itself a Conv2d is left as it is and the decomposed pair is returned). Every
+decomposition is computed, and every info-file entry checked, before the first module is
+replaced, so an error leaves the model as it was.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 from torch import nn
 
 from openamct._checks import check_model, check_type
 from openamct.module_tree import set_module
-from openamct.output_paths import check_output, check_path_syntax
-from openamct.pipeline import deep_copy
+from openamct.output_paths import check_output, check_path_syntax, folder_for
 from openamct.tensor_decompose.factor import build_pair, decompose_conv, mode_of
 from openamct.tensor_decompose.info_file import check_entry, entry, read_info, write_info
 from openamct.tensor_decompose.rank import ineligible_reason
@@ -64,17 +63,19 @@ def auto_decomposition(model, decompose_info_path=None):
     ``changes`` maps each decomposed conv's name to its two new layers' names, e.g.
     ``{'layer4.0': ['layer4.0.0', 'layer4.0.1']}``. ``decompose_info_path`` (optional): where
     to write the decomposition info JSON that ``decompose_network`` reads (upstream's format,
-    versioned; written atomically). ``model`` is not changed: the result is a copy (upstream
-    decomposes in place). Fine-tune the result before use: decomposition is lossy.
+    versioned; written atomically). ``model`` is changed in place and returned, as upstream
+    does (a model that is itself a Conv2d is not: the pair is returned). Any floating dtype;
+    the factors are computed in float64 and cast back. Fine-tune the result before use:
+    decomposition is lossy.
     """
-    model = check_model(model)
+    model = check_model(model, float32_only=False)
     check_type("decompose_info_path", decompose_info_path, str, allow_none=True)
     if decompose_info_path is not None:
         decompose_info_path = check_output("decompose_info_path", decompose_info_path, "decompose_info",
                                            make_folder=True)
-    work = deep_copy(model)
+    work = model
     changes: dict[str, list[str]] = {}
-    entries, skipped, errors = [], [], []
+    entries, skipped, errors, pairs = [], [], [], []
     before = after = 0
     for conv, names in _convs(work).values():
         reason = ineligible_reason(conv)
@@ -88,7 +89,7 @@ def auto_decomposition(model, decompose_info_path=None):
         logger.debug("auto_decomposition: %r -> rank %d (%s), relative weight error %.4f", names[0],
                      seq[0].out_channels, mode_of(conv), err)
         entries += [entry(n, conv, mode_of(conv), seq[0].weight.shape, seq[1].weight.shape) for n in names]
-        work = _place(work, names, seq, changes)
+        pairs.append((names, seq))
     _log_skipped("auto_decomposition", skipped)
     if errors:
         worst = max(errors)
@@ -98,9 +99,11 @@ def auto_decomposition(model, decompose_info_path=None):
     else:
         logger.info("auto_decomposition: no Conv2d layer meets the decomposition conditions")
     if decompose_info_path is not None:
-        os.makedirs(os.path.dirname(decompose_info_path), exist_ok=True)
-        write_info(decompose_info_path, entries)
+        with folder_for(decompose_info_path):
+            write_info(decompose_info_path, entries)
         logger.info("auto_decomposition: decomposition info written to %s", decompose_info_path)
+    for names, seq in pairs:  # the model changes only once everything above has succeeded
+        work = _place(work, names, seq, changes)
     return work, changes
 
 
@@ -111,9 +114,10 @@ def decompose_network(model, decompose_info_path):
     Only the structure changes: the new convs hold default-initialised weights, so load the
     decomposed model's state dict afterwards. Every entry is checked against ``model`` (layer
     names, channels, kernel, stride, padding, ranks) before anything is built; a mismatch is a
-    ValueError naming the layer. ``model`` is not changed (upstream edits it in place).
+    ValueError naming the layer. ``model`` is changed in place and returned, as upstream does
+    (a model that is itself a Conv2d is not: the pair is returned).
     """
-    model = check_model(model)
+    model = check_model(model, float32_only=False)
     check_type("decompose_info_path", decompose_info_path, str)
     path = check_path_syntax("decompose_info_path", decompose_info_path)
     entries = read_info(path)
@@ -125,15 +129,17 @@ def decompose_network(model, decompose_info_path):
             raise ValueError(f"decompose_info_path {decompose_info_path!r}: layer {name!r} is not in the model: "
                              "the file describes another model")
         plan.append((name, e["mode"], check_entry(e, modules[name], decompose_info_path)))
-    work = deep_copy(model)
-    work_modules = dict(work.named_modules(remove_duplicate=False))
+    work = model
     built: dict[int, nn.Module] = {}  # one pair per conv object, shared by its aliases
-    changes: dict[str, list[str]] = {}
+    placed = []
     for name, mode, rank in plan:
-        conv = work_modules[name]
+        conv = modules[name]
         seq = built.get(id(conv))
         if seq is None:
             seq = built[id(conv)] = build_pair(conv, mode, rank)
+        placed.append((name, seq))
+    changes: dict[str, list[str]] = {}
+    for name, seq in placed:  # the model changes only once every pair is built
         work = _place(work, [name], seq, changes)
     logger.info("decompose_network: %d Conv2d layer(s) given the decomposed structure; load the decomposed "
                 "weights next", len(changes))
