@@ -7,6 +7,6 @@ from openamct.distill.api import (
     distill,
     save_distill_model,
 )
-from openamct.distill.sample import DistillSampleBase
+from openamct.distill.distill_sample import DistillSampleBase
 
 __all__ = ["create_distill_config", "create_distill_model", "distill", "save_distill_model", "DistillSampleBase"]

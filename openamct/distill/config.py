@@ -31,7 +31,7 @@ from openamct.config.specs import Plan
 from openamct.distill.distill_config_pb2 import AMCTDistillConfig
 
 __all__ = ["INT4_DEPLOYABLE", "DistillJson", "parse_distill_cfg", "to_retrain_config", "plan_to_json",
-           "read_distill_json", "json_to_retrain_text", "check_int4_types"]
+           "read_distill_json", "json_to_retrain_text", "check_int4_types", "skip_wins", "check_skip_types"]
 
 # The layer types whose INT4 weights the deploy model stores as 4-bit values ONNX Runtime runs
 # with a 4-bit kernel (MatMulNBits); other types would deploy as 8-bit storage.
@@ -104,6 +104,31 @@ def to_retrain_config(cfg: AMCTDistillConfig) -> AMCTRetrainConfig:
     out.quant_skip_layers.extend(cfg.quant_skip_layers)
     out.quant_skip_types.extend(cfg.quant_skip_layer_types)
     return out
+
+
+def skip_wins(plan: Plan, cfg: AMCTDistillConfig) -> None:
+    """Upstream's distillation rule (its ``_generate_layer_config`` reads the skip lists first):
+    a layer that ``quant_skip_layers`` / ``quant_skip_layer_types`` names stays float even when a
+    ``distill_override_layers`` / ``distill_override_layer_types`` entry also matches it, unlike
+    the retrain family, where an override re-enables a skipped layer. ``plan`` is edited."""
+    names, types = set(cfg.quant_skip_layers), set(cfg.quant_skip_layer_types)
+    for name, lp in plan.layers.items():
+        if (name in names or lp.type in types) and lp.specs.pop("quant", None) is not None:
+            lp.notes.append("quant: skipped (in distillation a skip list wins over overrides)")
+
+
+def check_skip_types(cfg: AMCTDistillConfig, layers: Mapping, text: str, src: str) -> None:
+    """Each type ``quant_skip_layer_types`` or ``distill_override_layer_types`` names is the
+    type of a layer of the model, as upstream's distillation config checks ("not exist or
+    supported"); a layer name that names none is refused the same way by the shared checks."""
+    have = sorted({info.type for info in layers.values() if not info.excluded})
+    lists = [("quant_skip_layer_types", list(cfg.quant_skip_layer_types)),
+             ("distill_override_layer_types", [o.layer_type for o in cfg.distill_override_layer_types])]
+    for field_name, types in lists:
+        for t in types:
+            if t not in have:
+                raise ConfigError(f"{src}: {locate(text, field_name, t)}{field_name}: the model has no layer of type "
+                                  f"{t!r} (its layers' types: {', '.join(have) or 'none'})")
 
 
 def check_int4_types(plan: Plan, where: str) -> None:

@@ -1,4 +1,5 @@
-"""``DistillSampleBase``: how ``distill`` turns one batch of the train loader into the model's input."""
+"""``DistillSampleBase``: how ``distill`` turns one batch of the train loader into the model's
+input. The module path is upstream's (``amct_pytorch.distill.distill_sample``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from openamct.layer_types import layer_type_of
 
-__all__ = ["find_blocks", "chunk", "check_groups", "Taps", "first_tensor"]
+__all__ = ["find_blocks", "unit_blocks", "chunk", "check_groups", "Taps", "first_tensor"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -68,8 +68,47 @@ def find_blocks(model: nn.Module) -> list[str]:
     return blocks or [""]
 
 
-def chunk(blocks: Sequence[str], group_size: int) -> list[list[str]]:
-    return [list(blocks[i:i + group_size]) for i in range(0, len(blocks), group_size)]
+# Upstream's distillation unit: a layer, then its BatchNorm2d, then an activation, each the one
+# reader of the one before (its ``_get_distill_unit`` and capacity table).
+_UNIT_BN = ("BatchNorm2d",)
+_UNIT_ACTIVATIONS = ("ReLU", "LeakyReLU", "Sigmoid", "Tanh", "Softmax")
+
+
+def _only_reader(graph, name: str, ops: tuple[str, ...]) -> str | None:
+    """The module (of a class in ``ops``, called once) that alone reads ``name``'s one output."""
+    node = graph.call_of(name)
+    if node is None or len(node.outputs) != 1 or graph.is_output(node.outputs[0]):
+        return None
+    readers = node.outputs[0].consumers
+    if len(readers) != 1 or readers[0].kind != "module" or readers[0].op not in ops:
+        return None
+    return readers[0].name if len(graph.module_calls.get(readers[0].name, [])) == 1 else None
+
+
+def unit_blocks(blocks: Sequence[str], model: nn.Module, graph) -> list[list[str]]:
+    """Each block as a group's module list; a block that is a bare layer takes the BatchNorm and
+    activation modules that follow it alone, as upstream's automatic groups list them
+    (``["conv1", "bn1", "relu"]``), so the group ends after the activation."""
+    mods = dict(model.named_modules())
+    out = []
+    for b in blocks:
+        unit = [b]
+        if b and _is_layer(mods[b]):
+            bn = _only_reader(graph, b, _UNIT_BN)
+            if bn is not None:
+                unit.append(bn)
+            act = _only_reader(graph, unit[-1], _UNIT_ACTIVATIONS)
+            if act is not None:
+                unit.append(act)
+        out.append(unit)
+    return out
+
+
+def chunk(blocks: Sequence[Sequence[str]] | Sequence[str], group_size: int) -> list[list[str]]:
+    """``group_size`` consecutive blocks per group; a block is a name or a unit (a list of
+    names, ``unit_blocks``)."""
+    units = [[b] if isinstance(b, str) else list(b) for b in blocks]
+    return [[n for u in units[i:i + group_size] for n in u] for i in range(0, len(units), group_size)]
 
 
 def check_groups(groups: Sequence[Sequence[str]], teacher: nn.Module, student: nn.Module, where: str) -> None:

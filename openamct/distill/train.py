@@ -21,13 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
+from openamct.distill.distill_sample import DistillSampleBase, model_input
 from openamct.distill.dump import TeacherDump
 from openamct.distill.groups import Taps, normalised_mse, run_model, to_device
-from openamct.distill.sample import DistillSampleBase, model_input
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["move_folded_ends", "merge_pruned_boundaries", "calibrate", "train_groups"]
+__all__ = ["move_folded_ends", "merge_pruned_boundaries", "calibrate", "reestimate_bn", "train_groups"]
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -130,11 +130,41 @@ def calibrate(student: nn.Module, loader: Iterable, sample: DistillSampleBase, b
     student.train(was)
 
 
+def reestimate_bn(student: nn.Module, loader: Iterable, sample: DistillSampleBase) -> int:
+    """Recompute the running statistics of the student's BatchNorms over one pass of
+    ``loader``, every batch weighted alike (a cumulative average), with no other change: in
+    training they follow the last batches (momentum 0.1), which describe the whole data only if
+    every batch mixes it. Returns how many batches were read."""
+    bns = [m for m in student.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not bns:
+        return 0
+    modes = {m: m.training for m in student.modules()}
+    momenta = [m.momentum for m in bns]
+    device, n = _device(student), 0
+    student.eval()
+    try:
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None
+            m.train()
+        with torch.no_grad():
+            for x in _batches(loader, sample):
+                run_model(student, to_device(x, device))
+                n += 1
+    finally:
+        for m, momentum in zip(bns, momenta):
+            m.momentum = momentum
+        for m, mode in modes.items():
+            m.training = mode
+    return n
+
+
 def train_groups(teacher: nn.Module, student: nn.Module, groups: Sequence[Sequence[str]], loader: Iterable,
                  epochs: int, optimizer: torch.optim.Optimizer, sample: DistillSampleBase,
                  loss: Callable[[Tensor, Tensor], Tensor] | None, data_dump: bool,
-                 on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """Train ``student`` for ``epochs`` passes; the loss per step."""
+                 on_step: Callable[[int, float], None] | None = None,
+                 after_epoch: Callable[[], None] | None = None) -> list[float]:
+    """Train ``student`` for ``epochs`` passes (``after_epoch`` runs after each); the loss per step."""
     from tqdm.auto import tqdm
 
     loss_fn = normalised_mse if loss is None else loss
@@ -179,6 +209,9 @@ def train_groups(teacher: nn.Module, student: nn.Module, groups: Sequence[Sequen
                     if on_step is not None:
                         on_step(len(losses) - 1, losses[-1])
                 bar.close()
+                if after_epoch is not None:
+                    s_taps.clear()  # nothing is fed to the student outside a step
+                    after_epoch()
     finally:
         t_taps.remove()
         s_taps.remove()

@@ -13,8 +13,8 @@ from torch import nn
 
 import openamct as amct
 from openamct.distill.distill_config_pb2 import AMCTDistillConfig
+from openamct.distill.distill_sample import DistillSampleBase
 from openamct.distill.groups import chunk, find_blocks
-from openamct.distill.sample import DistillSampleBase
 from tests.models import ResBlockNet, TinyTransformerBlock, example_input
 
 
