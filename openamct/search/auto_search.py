@@ -35,9 +35,26 @@ from openamct.search.space import SearchSpace, build_space, fixed_layers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUDGETS", "check_batches", "run_search"]
+__all__ = ["BUDGETS", "check_batches", "upstream_pair", "run_search"]
 
 BUDGETS = ("macs", "latency")
+
+
+def upstream_pair(input_data: Any, test_iteration: int) -> list[tuple[Any, torch.Tensor]] | None:
+    """Upstream's form, one ``[data, label]`` pair of tensors (``x_data, y_label =
+    input_data``), as the ``[data, label]`` batches upstream's sensitivity reads from it: the
+    first ``test_iteration`` samples, one per iteration. None for any other form."""
+    if not (isinstance(input_data, (list, tuple)) and len(input_data) == 2
+            and all(isinstance(t, torch.Tensor) for t in input_data)):
+        return None
+    data, label = input_data
+    if data.dim() == 0 or label.dim() == 0:
+        raise ValueError("input_data: a [data, label] pair needs a batch axis on both tensors")
+    if min(len(data), len(label)) < test_iteration:
+        raise ValueError(f"input_data: test_iteration {test_iteration} reads one sample per iteration, and the "
+                         f"[data, label] pair holds {min(len(data), len(label))}: give more samples or lower "
+                         "test_iteration")
+    return [(data[i:i + 1], label[i:i + 1]) for i in range(test_iteration)]
 
 
 def check_batches(input_data: Any) -> list[tuple[Any, torch.Tensor]]:
@@ -96,7 +113,7 @@ def run_search(model: nn.Module, config: str, input_data: Any, output_cfg: str,
         raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
     settings = load_search_config(config)
     check_output_path(output_cfg, {"config": config, "override_prune_cfg": settings.override_path})
-    batches = check_batches(input_data)
+    batches = upstream_pair(input_data, settings.test_iteration) or check_batches(input_data)
     if settings.test_iteration > len(batches):
         raise ValueError(f"config {config!r}: test_iteration {settings.test_iteration} needs that many batches, "
                          f"input_data has {len(batches)}")

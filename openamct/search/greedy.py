@@ -1,6 +1,7 @@
 """The search algorithm: which kept count each group takes so the budget is met.
 
-``SearchAlgorithm`` is the base class users subclass (upstream's contract); ``GreedySearch``
+``SearchAlgorithm`` is the base class users subclass (upstream's ``SearchChannelBase``, also
+importable under that name from ``openamct.common.auto_channel_prune.search_channel_base``); ``GreedySearch``
 (upstream's default) repeatedly takes the one step, over all searched groups, that loses the
 least sensitivity per unit of budget gained (MACs or predicted milliseconds), until the budget
 is met. A step removes one aligned block of channels (16 with ``ascend_optimized``), the least
@@ -94,4 +95,4 @@ SEARCH_ALGORITHMS = {"GreedySearch": GreedySearch}
 
 
 def resolve_search_alg(search_alg: Any) -> SearchAlgorithm:
-    return resolve("search_alg", search_alg, SearchAlgorithm, SEARCH_ALGORITHMS)
+    return resolve("search_alg", search_alg, SearchAlgorithm, SEARCH_ALGORITHMS, "search", ("channel_prune_search",))

@@ -1,6 +1,8 @@
 """How much each channel of a coupled group matters: the sensitivity the search ranks by.
 
-``Sensitivity`` is the base class users subclass (upstream's contract): one method,
+``Sensitivity`` is the base class users subclass (upstream's ``SensitivityBase``, also
+importable under that name from upstream's module path,
+``openamct.common.auto_channel_prune.sensitivity_base``): one method,
 ``channel_scores``, returning one score per channel of each group (higher = more important;
 scores of different groups must be on one scale, since the search compares them).
 
@@ -15,8 +17,10 @@ consumer's input and its gradient, **per sample** (``sum_samples |sum_consumers 
 batch-level sum cancels out near a trained optimum, where the mean gradient is ~0).
 
 The model runs in eval mode (BatchNorm uses its running statistics, as after pruning). The loss
-is cross-entropy for 2-D outputs (``[batch, classes]`` logits with class-index labels); for
-anything else subclass ``TaylorLossSensitivity`` and override ``loss``.
+is upstream's L1 loss where the labels are float and shaped like the output (upstream's call
+example: ``labels = torch.randn(output.size())``), and cross-entropy for ``[batch, classes]``
+logits with class-index labels; ``set_loss_func(loss_func)`` (upstream's method) sets another,
+or subclass ``TaylorLossSensitivity`` and override ``loss``.
 """
 
 from __future__ import annotations
@@ -53,13 +57,30 @@ class Sensitivity:
 class TaylorLossSensitivity(Sensitivity):
     """``sum over samples |g · w|`` per channel, on the consumers' side (module docstring)."""
 
+    def __init__(self, loss_func: Any = None) -> None:
+        self.loss_func = None
+        if loss_func is not None:
+            self.set_loss_func(loss_func)
+
+    def set_loss_func(self, loss_func: Any) -> None:
+        """Upstream's method: ``loss_func(output, label)`` (a torch loss module) for every batch."""
+        if not callable(loss_func):
+            raise TypeError(f"loss_func must be callable (a torch loss module), got {type(loss_func).__name__}")
+        self.loss_func = loss_func
+
     def loss(self, output: Any, label: torch.Tensor) -> torch.Tensor:
-        """The loss the gradients come from; cross-entropy for ``[batch, classes]`` outputs."""
+        """The loss the gradients come from: ``loss_func`` when set; upstream's L1 loss for
+        float labels shaped like the output; cross-entropy for ``[batch, classes]`` logits."""
+        if self.loss_func is not None:
+            return self.loss_func(output, label)
+        if isinstance(output, torch.Tensor) and label.is_floating_point() and label.shape == output.shape:
+            return F.l1_loss(output, label.to(output.dtype))
         if not isinstance(output, torch.Tensor) or output.dim() != 2:
             shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-            raise ValueError(f"TaylorLossSensitivity uses cross-entropy, which needs [batch, classes] logits; "
-                             f"the model returned {shape}: subclass TaylorLossSensitivity and override "
-                             "loss(output, label), then pass an instance as sensitivity=")
+            raise ValueError(f"TaylorLossSensitivity uses cross-entropy for class-index labels, which needs "
+                             f"[batch, classes] logits; the model returned {shape}: give float labels shaped like "
+                             "the output (L1 loss, upstream's), call set_loss_func, or subclass "
+                             "TaylorLossSensitivity and override loss(output, label)")
         return F.cross_entropy(output, label)
 
     def channel_scores(self, model, batches, groups):
@@ -123,4 +144,5 @@ SENSITIVITIES = {"TaylorLossSensitivity": TaylorLossSensitivity}
 
 
 def resolve_sensitivity(sensitivity: Any) -> Sensitivity:
-    return resolve("sensitivity", sensitivity, Sensitivity, SENSITIVITIES)
+    return resolve("sensitivity", sensitivity, Sensitivity, SENSITIVITIES, "channel_scores",
+                   ("get_sensitivity", "setup_initialization"))

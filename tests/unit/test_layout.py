@@ -57,6 +57,7 @@ LAYERS = [
     ("tensor_decompose",),  # auto_decomposition / decompose_network: a model transform before create
     ("distill",),  # upstream's distillation family: the group-wise loop over pipeline's create/save
     ("search",),
+    ("common",),  # upstream's module paths of the search's base classes (amct_pytorch.common...)
     ("api",),
     ("openamct",),
     ("inspection", "record_summary"),

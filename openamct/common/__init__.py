@@ -1,0 +1,1 @@
+"""Upstream's module paths under ``amct_pytorch.common`` that user code imports from."""
