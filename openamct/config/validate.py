@@ -61,6 +61,18 @@ def _check_types(cfg: AMCTRetrainConfig, techniques: Sequence, text: str, src: s
                                   f"use one of {', '.join(allowed)} (torch class names)")
 
 
+def _warn_absent_types(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], src: str) -> None:
+    """A type entry that names no layer of this model does nothing: one WARNING for all of them
+    (a layer *name* that names no layer is an error; a type may be a config shared by models)."""
+    have = {info.type for info in layers.values()}
+    fields = ("skip_layer_types", "quant_skip_types", "regular_prune_skip_types")
+    absent = [(f, t) for f in fields for t in getattr(cfg, f) if t not in have]
+    absent += [("override_layer_types", o.layer_type) for o in cfg.override_layer_types if o.layer_type not in have]
+    if absent:
+        logger.warning("%s: %s name(s) no layer type of this model and do nothing (its layer types: %s)", src,
+                       ", ".join(f"{f} {t!r}" for f, t in absent), ", ".join(sorted(have)) or "none")
+
+
 def _check_names(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], modules: Mapping[str, str],
                  text: str, src: str) -> None:
     lists = [("skip_layers", cfg.skip_layers), ("quant_skip_layers", cfg.quant_skip_layers),
@@ -103,5 +115,6 @@ def validate_for_model(cfg: AMCTRetrainConfig, layers: Mapping[str, LayerInfo], 
                        api: str, techniques: Sequence, text: str = "", src: str = "config") -> None:
     """Raise ConfigError for a type, layer name or rule family this model or API does not allow."""
     _check_types(cfg, techniques, text, src)
+    _warn_absent_types(cfg, layers, src)
     _check_names(cfg, layers, modules, text, src)
     _check_api(cfg, api, text, src)
