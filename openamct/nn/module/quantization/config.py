@@ -104,8 +104,9 @@ def _dst_type(block: Mapping, where: str, allowed: tuple[str, ...], known: Mappi
 
 
 def _clips(d: Mapping, where: str) -> tuple[float | None, float | None]:
-    cmax = _get(d, "clip_max", (int, float), where)
-    cmin = _get(d, "clip_min", (int, float), where)
+    # None is "not given": upstream's single-op example writes "clip_min": None, "clip_max": None
+    cmax = None if d.get("clip_max") is None else _get(d, "clip_max", (int, float), where)
+    cmin = None if d.get("clip_min") is None else _get(d, "clip_min", (int, float), where)
     if (cmax is None) != (cmin is None):
         missing = "clip_min" if cmin is None else "clip_max"
         raise ValueError(f"{where}: give both clip_max and clip_min or neither ({missing} is missing)")
