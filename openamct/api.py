@@ -50,8 +50,9 @@ def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, o
     check_output("save_path", fake, "onnx", inputs, make_folder=True)
     check_output("save_path", deploy, "onnx", inputs, make_folder=True)
     if record_file:
-        check_output("record_file", record_file, "record", {"config_file": config_file, "save_path": fake})
-        check_output("record_file", record_file, "record", {"save_path": deploy})
+        check_output("record_file", record_file, "record", {"config_file": config_file, "save_path": fake},
+                     make_folder=True)
+        check_output("record_file", record_file, "record", {"save_path": deploy}, make_folder=True)
     return model
 
 

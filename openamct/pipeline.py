@@ -227,6 +227,8 @@ def restore(model: nn.Module, input_data: Any, config: str, record_file: str, pt
         work._openamct.after_checkpoint()
     except ValueError as exc:  # a technique refusing the checkpoint's values
         raise ValueError(f"pth_file {pth_file!r}: {exc}") from None
+    if not replay:  # the new record holds the checkpoint's scales from the start
+        work._openamct.flush()
     return work
 
 
@@ -259,7 +261,8 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
             "first batch_num forward passes), e.g. model.eval(); model(x) with a real batch, then call save_* again")
     decisions.check_record_file(model, keeper.techniques, record_file or keeper.path)
     try:
-        keeper.flush(record_file)
+        with folder_for(record_file or keeper.path):
+            keeper.flush(record_file)
     except OSError as exc:
         raise ValueError(f"record_file {record_file or keeper.path!r} cannot be written: {exc}") from None
     from openamct.export.precheck import explain_export_error

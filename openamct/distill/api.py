@@ -285,7 +285,7 @@ def save_distill_model(model, save_path, input_data, record_file=None, input_nam
         logger.info("save_distill_model: single-op QAT modules: record_file is not read")
         return save_qat_model(model, save_path, input_data, input_names, output_names, dynamic_axes)
     if record_file:
-        check_output("record_file", record_file, "record", {"save_path": fake})
+        check_output("record_file", record_file, "record", {"save_path": fake}, make_folder=True)
     fake, deploy = pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
     if any(isinstance(m, CompressedLayer) and getattr(m.wts_quant, "format", None) is not None
            and m.wts_quant.format.bits == 4 for m in model.modules()):
