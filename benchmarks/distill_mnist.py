@@ -45,11 +45,13 @@ quant_skip_layers: "layer1.0"
 """ for n in ("layer1.0", "layer2.0", "layer3.0", "layer4.0"))
 
 
-def unlabelled_loader(x: torch.Tensor, batch_size: int = 64, seed: int = 0) -> torch.utils.data.DataLoader:
+def unlabelled_loader(x: torch.Tensor, batch_size: int = 64, seed: int = 0,
+                      shuffle: bool = True) -> torch.utils.data.DataLoader:
     """The images ``x`` (no labels) in batches of ``batch_size``, reshuffled on every pass (a
-    seeded generator: the same run gives the same batches). A batch is ``[images]``, whose first
-    element ``distill``'s default sample takes as the model input."""
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=batch_size, shuffle=True,
+    seeded generator: the same run gives the same batches), or in file order (``shuffle``
+    false: upstream's call example, ``DataLoader(input_data)``). A batch is ``[images]``, whose
+    first element ``distill``'s default sample takes as the model input."""
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=batch_size, shuffle=shuffle,
                                        generator=torch.Generator().manual_seed(seed))
 
 
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--flows", default="int8,filter50_int8")
     ap.add_argument("--fp32-epochs", type=int, default=15, help="epochs of the FP32 model (the demo's recipe: 15)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--order", choices=("shuffled", "file"), default="shuffled",
+                    help="read the training images shuffled, or in file order (sorted by digit)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -92,7 +96,7 @@ def main() -> None:
     amct.create_distill_config(js, fp32, x, cfg)
     for name in args.flows.split(","):
         t = time.perf_counter()
-        images = unlabelled_loader(x_train, seed=args.seed)  # each flow reads the same batches
+        images = unlabelled_loader(x_train, seed=args.seed, shuffle=args.order == "shuffled")  # each flow reads the same batches
         if name == "int8":
             student = amct.create_distill_model(js, fp32, x)
             record = js[:-5] + ".record"
