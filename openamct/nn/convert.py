@@ -16,7 +16,7 @@ flow's folded model exports:
   (``com.microsoft``; the CPU provider runs them, then the layer's float kernel: no int16
   Conv/Gemm exists there);
 - each output-range pair is removed and its range handed to the post-pass as the layer's
-  observer range (through a folded BN: the range its per-channel affine map bounds).
+  observer range (through a folded BN: the per-channel affine image of each channel's range).
 
 Files are written atomically (``export.writer.write_onnx``) and carry one save id.
 """
@@ -96,13 +96,13 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     shape[axis] = -1
     scales = w.scales.astype(np.float32)
     q = np.clip(np.rint(wf / (scales.reshape(shape) if w.axis is not None else scales[0])), WEIGHT.qmin, WEIGHT.qmax)
-    rng = None
+    rng = None  # (lows, highs) of the output, per channel where the marker has them
     if layer.marker is not None:
         m = layer.marker
         # A scale at the floor: an observer that never saw a batch (torch.export writes the pair
         # anyway, it cannot read the flag): no range.
         if m.scale > 2 * float(np.finfo(np.float32).eps):
-            rng = ((UINT8_ACT.qmin - m.zero_point) * m.scale, (UINT8_ACT.qmax - m.zero_point) * m.scale)
+            rng = m.ranges()
         skip_pair(g, m)
     fold = _bn_fold(g, layer)
     per_channel = w.axis is not None
@@ -121,9 +121,8 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
         else:
             layer.node.input.append(bias)
             g._users[bias].append(layer.node)
-        if rng is not None:  # the per-channel affine image of [lo, hi], bounded per tensor
-            ends = np.stack([c * rng[0] + d, c * rng[1] + d])
-            rng = (float(ends.min()), float(ends.max()))
+        if rng is not None:  # the per-channel affine image of each channel's [lo, hi]
+            rng = (c * rng[0] + d, c * rng[1] + d)
         g.replace_uses(bn.output[0], layer.node.output[0])
         g.remove(bn)
     stored = numpy_dtype(WEIGHT)
@@ -136,7 +135,8 @@ def _deploy_layer(g, layer: OnnxQatLayer, observers: dict) -> None:
     else:
         g.set_input(layer.node, 1, dq.output[0])
     if rng is not None and layer.act is not None and not layer.act.ops:
-        observers[qname] = rng  # (an INT16 layer runs a float kernel: its output stays float)
+        ends = np.concatenate([np.ravel(rng[0]), np.ravel(rng[1])])
+        observers[qname] = (float(ends.min()), float(ends.max()))  # (an INT16 layer runs a float kernel)
 
 
 def write_deploy(qg: QatGraph) -> dict[str, tuple[float, float]]:

@@ -11,7 +11,8 @@ here, QuantizeLinear/DequantizeLinear excepted):
 - its weight: ``QuantizeLinear(W, s_w, 0 int8, axis) -> DequantizeLinear`` on a float
   initializer W (a ``WeightPair``), read by a Conv, ConvTranspose or Gemm (``OnnxQatLayer``), or by
   MatMul through a Transpose (a Linear on a 3-D input);
-- its output, once trained: a uint8 pair with the observed output range (a ``Marker``);
+- its output, once trained: a uint8 pair with the observed output range, per output channel
+  (a marker; per tensor in files of earlier versions);
 - an LSTM/GRU module (``rnn_qat_base``): its input pair, and an ONNX LSTM/GRU whose weights are
   int8 constants read through DequantizeLinear (``QatGraph.recurrent``), kept as they are.
 
@@ -61,6 +62,16 @@ class ActPair:
     zero_point: int
     dtype: type  # np.int8 / np.int16 (a QAT input quantizer) or np.uint8 (an output-range marker)
     ops: tuple = ()
+    # a marker per output channel (QuantizeLinear with an axis): each channel's scale and zero
+    # point; ``scale`` / ``zero_point`` then hold the largest scale and 0
+    scales: np.ndarray | None = None
+    zero_points: np.ndarray | None = None
+
+    def ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lows, highs) a uint8 marker represents, per channel (one entry when per tensor)."""
+        s = np.atleast_1d(self.scales if self.scales is not None else np.float32(self.scale)).astype(np.float32)
+        zp = np.atleast_1d(self.zero_points if self.zero_points is not None else self.zero_point).astype(np.float32)
+        return (0 - zp) * s, (255 - zp) * s
 
 
 @dataclass
@@ -146,6 +157,10 @@ def read_qat(model: onnx.ModelProto, where: str = "model_file") -> QatGraph:
         if s.size == 1 and zp.dtype in (_INT8, _UINT8):
             pair = ActPair(q, dq, float(s.reshape(())), int(zp.reshape(())), zp.dtype.type)
             (out.markers if zp.dtype == _UINT8 else out.acts).append(pair)
+            acts[dq.output[0]] = pair
+        elif zp.dtype == np.uint8 and zp.size == s.size:  # an output-range marker per channel
+            pair = ActPair(q, dq, float(s.max()), 0, np.uint8, scales=s.reshape(-1), zero_points=zp.reshape(-1))
+            out.markers.append(pair)
             acts[dq.output[0]] = pair
     for pair in _wide_acts(g):
         out.acts.append(pair)

@@ -172,3 +172,32 @@ def test_int16_inputs_deploy_as_ort_int16_qdq(tmp_path):
     wide = [n for n in onnx.load(deploy).graph.node if n.domain == "com.microsoft"]
     assert sorted(n.op_type for n in wide) == ["DequantizeLinear"] * 2 + ["QuantizeLinear"] * 2
     assert "QLinearConv" in _kernels(deploy, tmp_path)  # the INT8 conv still runs in integers
+
+
+def test_the_range_of_a_conv_output_through_its_folded_bn_is_bounded_per_channel(trained, tmp_path):
+    """c2's output reaches the residual Add through b2, which the deploy model folds: the
+    QLinearConv output range is b2's affine image of each channel's observed range. The
+    per-tensor range on every channel bounded it loosely (torchvision ResNet-18: 1.3 to 2.5
+    times wider), a coarser grid that only the deploy model rounds to."""
+    import copy
+
+    from openamct.nn.convert import write_deploy
+    from openamct.nn.qat_onnx import read_qat
+
+    net = copy.deepcopy(trained)
+    obs, bn = net.c2.out_observer, net.b2
+    with torch.no_grad():  # every channel scaled to one width after the BN, the narrow ones most
+        width = obs.max_val.clamp(min=0) - obs.min_val.clamp(max=0)
+        bn.weight.copy_((bn.running_var + bn.eps).sqrt() / width * torch.tensor([1.0, -1.0] * 4))
+    assert float(width.max() / width.min()) > 1.2
+    torch.onnx.export(net, (torch.randn(2, 3, 12, 12),), str(tmp_path / "q.onnx"), dynamo=False)
+    observers = write_deploy(read_qat(onnx.load(str(tmp_path / "q.onnx"))))
+    lo, hi = obs.min_val.clamp(max=0).double(), obs.max_val.clamp(min=0).double()
+    c = (bn.weight / (bn.running_var + bn.eps).sqrt()).detach().double()
+    d = bn.bias.detach().double() - c * bn.running_mean.double()
+    ends = torch.cat([c * lo + d, c * hi + d])
+    got = next(v for k, v in observers.items() if k.startswith("c2."))
+    s = (float(ends.max()) - float(ends.min())) / 255  # the range the marker's uint8 grid holds, to a step
+    assert abs(got[0] - float(ends.min())) <= s and abs(got[1] - float(ends.max())) <= s
+    loose = torch.cat([c * lo.min() + d, c * hi.max() + d])
+    assert float(loose.max() - loose.min()) > 1.1 * (got[1] - got[0])

@@ -10,9 +10,10 @@ Exported with plain ``torch.onnx.export`` (either exporter), a module writes
 QuantizeLinear/DequantizeLinear pairs: int8 (per tensor) on its input, int8 (per channel or
 per tensor, zero point 0) on its weight (an INT16 input: the same arithmetic as float ops,
 see ``_export_input``), and, once its output observer has seen a training
-batch, a uint8 pair on its output carrying the observed range (what the graph flow's deploy
-model quantizes a conv output with when no quantizer reads it). ``convert_qat_model`` reads
-those three; it removes the uint8 pair from the fake-quant model.
+batch, a uint8 pair on its output carrying the observed range per output channel (from which
+the deploy model bounds the range of a conv output that no quantizer reads, through the
+BatchNorm it folds). ``convert_qat_model`` reads those three; it removes the uint8 pair from
+the fake-quant model.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
 from openamct.formats import QAT_MODULE_ACTIVATION_FORMATS, UINT8_ACT
+from openamct.nn.module.quantization.channel_range import ChannelRangeObserver
 from openamct.nn.module.quantization.config import QatConfig, parse_qat_config
 from openamct.quant.functions import graph_mode, ulq_qparams
-from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
+from openamct.quant.quantizers import ActULQ, WeightULQ
 from openamct.techniques.quantization import make_weight_quantizer
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ class QATLayer(CompressedLayer):
         self.wts_quant = wq.to(device)
         if isinstance(wq, WeightULQ) and not self.weight.is_meta:
             wq.init_from(self.weight.detach())  # as CompressedLayer.from_parts: final shape before any optimizer
-        self.out_observer = RangeObserver().to(device)
+        channels, axis = (self.out_features, -1) if self.kind == "linear" else (self.out_channels, 1)
+        self.out_observer = ChannelRangeObserver(channels, axis).to(device)
 
     # The torch constructor's arguments (bias, device and dtype aside) that rebuild a module of
     # ``_layer_cls`` in ``from_float``: its attributes of the same names.
@@ -126,10 +129,12 @@ class QATLayer(CompressedLayer):
         y = self._op(self._export_input(x), self.wts_quant(self.weight), self.bias)
         obs = self.out_observer
         if torch.compiler.is_exporting() or bool(obs.initialized):
+            # per output channel: convert_qat_model bounds the range of the BatchNorm folded
+            # after it channel by channel (channel_range.py)
             lo, hi = obs.min_val.float().clamp(max=0.0), obs.max_val.float().clamp(min=0.0)
             s = ((hi - lo) / UINT8_ACT.levels).clamp(min=float(np.finfo(np.float32).eps))
             zp = torch.round(-lo / s).clamp(MARKER_QMIN, MARKER_QMAX).to(torch.int32)
-            y = torch.fake_quantize_per_tensor_affine(y, s, zp, MARKER_QMIN, MARKER_QMAX)
+            y = torch.fake_quantize_per_channel_affine(y, s, zp, obs.axis % y.dim(), MARKER_QMIN, MARKER_QMAX)
         return y
 
     def _check_output_size(self, x: Tensor, output_size) -> None:
