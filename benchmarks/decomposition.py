@@ -30,6 +30,7 @@ Usage: python benchmarks/decomposition.py [--epochs 10] [--ft-epochs 3] [--qat-e
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -117,7 +118,7 @@ def mnist(folder: str, args) -> None:
     train_mnist(fp32, x_tr, y_tr, epochs=args.epochs, progress=False)
     acc_fp32 = evaluate(fp32, x_te, y_te)
     info = os.path.join(folder, "decompose_info.json")
-    dec, changes = amct.auto_decomposition(fp32, info)
+    dec, changes = amct.auto_decomposition(copy.deepcopy(fp32), info)  # in place: keep fp32 to compare
     print(f"  changes: {changes}")
     size_row("MnistNet", fp32, dec, x_te[:1])
     with torch.no_grad():
@@ -182,8 +183,9 @@ def resnet50(folder: str, args) -> None:
     torch.manual_seed(0)
     model = Logits(ResNetForImageClassification(ResNetConfig())).eval()
     x = torch.randn(1, 3, 224, 224)
+    work = copy.deepcopy(model)  # auto_decomposition works in place: model is kept to compare
     t = time.time()
-    dec, changes = amct.auto_decomposition(model)
+    dec, changes = amct.auto_decomposition(work)
     print(f"  auto_decomposition: {len(changes)} convs in {time.time() - t:.1f} s")
     size_row("ResNet-50", model, dec, x)
     with torch.no_grad():
