@@ -71,7 +71,7 @@ class ActPair:
         """(lows, highs) a uint8 marker represents, per channel (one entry when per tensor)."""
         s = np.atleast_1d(self.scales if self.scales is not None else np.float32(self.scale)).astype(np.float32)
         zp = np.atleast_1d(self.zero_points if self.zero_points is not None else self.zero_point).astype(np.float32)
-        return (0 - zp) * s, (255 - zp) * s
+        return (UINT8_ACT.qmin - zp) * s, (UINT8_ACT.qmax - zp) * s
 
 
 @dataclass
