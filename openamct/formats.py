@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 __all__ = ["QuantFormat", "INT8_ACT", "INT8_WEIGHT", "INT4_WEIGHT", "INT16_ACT", "UINT8_ACT", "DEFAULT",
-           "activation_format", "weight_format", "unsigned", "WEIGHT_FORMATS", "ACTIVATION_FORMATS",
+           "activation_format", "weight_format", "unsigned", "check_format", "WEIGHT_FORMATS", "ACTIVATION_FORMATS",
            "QAT_MODULE_ACTIVATION_FORMATS"]
 
 DEFAULT = "INT8"  # the config's and the record's default data type
@@ -71,6 +71,16 @@ INT4_WEIGHT = QuantFormat("INT4", 4, per_channel=True, axis=0)  # weight-only
 # them through ONNX Runtime's int16 QuantizeLinear/DequantizeLinear (com.microsoft domain, CPU),
 # in front of a float kernel: ORT has no int16 Conv/Gemm.
 INT16_ACT = QuantFormat("INT16", 16, signed=True, symmetric=False)
+
+def check_format(fmt, symmetric: bool) -> QuantFormat:
+    """``fmt`` when it is a QuantFormat of that symmetry (a quantizer's constructor check)."""
+    if not isinstance(fmt, QuantFormat):
+        raise TypeError(f"fmt: expected a QuantFormat, got {type(fmt).__name__}")
+    if fmt.symmetric != symmetric:
+        raise ValueError(f"fmt: {fmt.name} is {'' if fmt.symmetric else 'a'}symmetric; this quantizer needs "
+                         f"{'a symmetric' if symmetric else 'an asymmetric'} format")
+    return fmt
+
 
 # The deploy model's activations: ONNX Runtime's fast CPU integer kernels read uint8 activations
 # (int8 ones ran no faster than FP32), so a trained INT8 grid goes out as the UINT8 grid of the

@@ -40,7 +40,7 @@ from openamct.export.element_types import numpy_dtype
 from openamct.export.export_layer import inputs_on_cpu, working_copy
 from openamct.export.ids import SAVE_ID_KEY, hash_model
 from openamct.export.writer import export_to_file, write_onnx
-from openamct.formats import INT8_ACT, INT8_WEIGHT, UINT8_ACT, unsigned
+from openamct.formats import INT8_ACT, INT8_WEIGHT, unsigned
 from openamct.nn.module.quantization.base import QATLayer
 from openamct.nn.module.quantization.rnn_qat_base import RecurrentQAT
 from openamct.nn.qat_onnx import (

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from openamct._checks import all_finite
-from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
+from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat, check_format
 from openamct.quant.act_qparams import ActQParams, QParamTable
 from openamct.quant.clip_init import init_clips
 from openamct.quant.functions import (
@@ -32,6 +32,8 @@ from openamct.quant.functions import (
     ulq_qparams_float,
     ulq_weight_fake_quant,
 )
+from openamct.quant.host_flags import forget_host_flags, host_flag, set_host_flag
+from openamct.quant.range_observer import RangeObserver
 from openamct.quant.ulq_act import ulq_act_fake_quant
 
 logger = logging.getLogger(__name__)
@@ -49,52 +51,6 @@ def _check_clip(name: str, value, sign: int) -> float:
     return v
 
 
-def host_flag(module: nn.Module, name: str) -> bool:
-    """The value of the 0-dim bool buffer ``name`` of ``module``, read from its device only when
-    it may have changed: a forward must not wait for the device once per quantizer. The copy is
-    re-read when the buffer was written in place (its ``_version`` moved: a fill, a
-    ``load_state_dict``, a rollback) or replaced on the same device; a buffer that ``.to()``
-    moved to another device keeps the value it had (a move does not change it)."""
-    t = module._buffers[name]
-    seen = module.__dict__.get("_host_" + name)
-    if seen is not None and torch.compiler.is_compiling():
-        # The compiler guards on the host copy (a Python bool) instead of reading the tensor:
-        # every writer of the buffer updates or drops the copy (``set_host_flag``,
-        # ``forget_host_flags``),
-        # and a changed copy fails the guard and recompiles.
-        return seen[2]
-    if seen is not None:
-        if seen[0] is t and seen[1] == t._version:
-            return seen[2]
-        if seen[0] is not t and (t.is_meta or t.device != seen[0].device):
-            module.__dict__["_host_" + name] = (t, t._version, seen[2])
-            return seen[2]
-    return set_host_flag(module, name, bool(t))
-
-
-def set_host_flag(module: nn.Module, name: str, value: bool) -> bool:
-    """Record that buffer ``name`` now holds ``value`` (its writer knows it: no read)."""
-    t = module._buffers[name]
-    module.__dict__["_host_" + name] = (t, t._version, value)
-    return value
-
-
-def forget_host_flags(module: nn.Module) -> None:
-    """Drop the host copies of ``module``'s flags, for writers that copy into the buffers
-    wholesale (a state-dict load, a rollback): the next ``host_flag`` reads the buffer."""
-    for key in [k for k in module.__dict__ if k.startswith("_host_")]:
-        del module.__dict__[key]
-
-
-def _check_format(fmt, symmetric: bool) -> QuantFormat:
-    if not isinstance(fmt, QuantFormat):
-        raise TypeError(f"fmt: expected a QuantFormat, got {type(fmt).__name__}")
-    if fmt.symmetric != symmetric:
-        raise ValueError(f"fmt: {fmt.name} is {'' if fmt.symmetric else 'a'}symmetric; this quantizer needs "
-                         f"{'a symmetric' if symmetric else 'an asymmetric'} format")
-    return fmt
-
-
 def _dist_world() -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -110,7 +66,7 @@ class ActULQ(nn.Module):
     def __init__(self, clip_max: float | None = None, clip_min: float | None = None,
                  fixed_min: bool = False, batch_num: int = 1, fmt: QuantFormat = INT8_ACT) -> None:
         super().__init__()
-        self.format = _check_format(fmt, symmetric=False)
+        self.format = check_format(fmt, symmetric=False)
         if (clip_max is None) != (clip_min is None):
             raise ValueError("clip_max/clip_min: give both or neither")
         if not isinstance(fixed_min, bool):
@@ -262,7 +218,7 @@ class _WeightQuant(nn.Module):
             raise TypeError(f"channel_wise: expected a bool, got {type(channel_wise).__name__}")
         self.channel_wise = channel_wise
         # The granularity is the quantizer's own (``channel_wise``): the format says the rest.
-        self.format = _check_format(fmt, symmetric=True).granular(channel_wise)
+        self.format = check_format(fmt, symmetric=True).granular(channel_wise)
         self.bind(axis, groups)
 
     def bind(self, axis: int, groups: int = 1) -> None:
@@ -356,45 +312,3 @@ class WeightULQ(_WeightQuant):
 
     def scales(self, w: Tensor | None = None) -> Tensor:
         return self.scale.detach().float().clamp(min=SCALE_EPS).clone()
-
-
-class RangeObserver(nn.Module):
-    """Exponential moving min/max (first update copies), updated in training mode only."""
-
-    def __init__(self, momentum: float = 0.1, fmt: QuantFormat = INT8_ACT) -> None:
-        super().__init__()
-        self.format = _check_format(fmt, symmetric=False)
-        if not 0.0 < float(momentum) <= 1.0:
-            raise ValueError(f"momentum: must be in (0, 1], got {momentum}")
-        self.momentum = float(momentum)
-        self.register_buffer("min_val", torch.tensor(0.0))
-        self.register_buffer("max_val", torch.tensor(0.0))
-        self.register_buffer("initialized", torch.tensor(False))
-        set_host_flag(self, "initialized", False)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        forget_host_flags(self)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.training and not graph_mode() and x.numel():
-            with torch.no_grad():
-                lo, hi = torch.aminmax(x.detach())
-                if host_flag(self, "initialized"):  # three ops a step, no host read
-                    self.min_val.lerp_(lo.float(), self.momentum)
-                    self.max_val.lerp_(hi.float(), self.momentum)
-                else:  # the first update copies
-                    self.min_val.copy_(lo)
-                    self.max_val.copy_(hi)
-                    self.initialized.fill_(True)
-                    set_host_flag(self, "initialized", True)
-        return x
-
-    def scale_offset(self) -> tuple[float, int]:
-        """Asymmetric (scale, offset) in ``format`` over [min(min, 0), max(max, 0)], ULQ convention."""
-        s, zp, _, _ = ulq_qparams_float(self.max_val.item(), self.min_val.item(), False, self.format)
-        return s, zp
-
-    def extra_repr(self) -> str:
-        return (f"momentum={self.momentum}, min={float(self.min_val):.6g}, "
-                f"max={float(self.max_val):.6g}, initialized={bool(self.initialized)}")

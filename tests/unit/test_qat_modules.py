@@ -46,7 +46,7 @@ def test_same_bits_as_the_graph_flow(tmp_path, algo):
     assert gs.keys() == ss.keys()
     for k in gs:
         if k.endswith(("out_observer.min_val", "out_observer.max_val")):
-            # the modules observe their output range per channel (channel_range.py), the graph flow per tensor
+            # the modules observe their output range per channel (RangeObserver with channels), the graph flow per tensor
             assert ss[k].shape == (single[0].out_channels if k.startswith("0.") else single[3].out_features,)
             continue
         assert torch.equal(gs[k], ss[k]), k

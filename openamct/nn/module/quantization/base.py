@@ -26,10 +26,9 @@ from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
 from openamct.formats import QAT_MODULE_ACTIVATION_FORMATS, UINT8_ACT
-from openamct.nn.module.quantization.channel_range import ChannelRangeObserver
 from openamct.nn.module.quantization.config import QatConfig, parse_qat_config
 from openamct.quant.functions import graph_mode, ulq_qparams
-from openamct.quant.quantizers import ActULQ, WeightULQ
+from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ
 from openamct.techniques.quantization import make_weight_quantizer
 
 logger = logging.getLogger(__name__)
@@ -92,7 +91,7 @@ class QATLayer(CompressedLayer):
         if isinstance(wq, WeightULQ) and not self.weight.is_meta:
             wq.init_from(self.weight.detach())  # as CompressedLayer.from_parts: final shape before any optimizer
         channels, axis = (self.out_features, -1) if self.kind == "linear" else (self.out_channels, 1)
-        self.out_observer = ChannelRangeObserver(channels, axis).to(device)
+        self.out_observer = RangeObserver(channels=channels, axis=axis).to(device)
 
     # The torch constructor's arguments (bias, device and dtype aside) that rebuild a module of
     # ``_layer_cls`` in ``from_float``: its attributes of the same names.
@@ -130,7 +129,7 @@ class QATLayer(CompressedLayer):
         obs = self.out_observer
         if torch.compiler.is_exporting() or bool(obs.initialized):
             # per output channel: convert_qat_model bounds the range of the BatchNorm folded
-            # after it channel by channel (channel_range.py)
+            # after it channel by channel
             lo, hi = obs.min_val.float().clamp(max=0.0), obs.max_val.float().clamp(min=0.0)
             s = ((hi - lo) / UINT8_ACT.levels).clamp(min=float(np.finfo(np.float32).eps))
             zp = torch.round(-lo / s).clamp(MARKER_QMIN, MARKER_QMAX).to(torch.int32)
