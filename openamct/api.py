@@ -140,7 +140,7 @@ def save_compressed_retrain_model(model, record_file, save_path, input_data, inp
 def create_quant_retrain_config(config_file, model, input_data, config_defination=None):
     """Write the per-layer QAT config (JSON) for ``model`` to ``config_file``: from the retrain
     ``config_defination`` (.cfg) when given, else every supported layer with default settings."""
-    from openamct.config.quant_json import write_quant_json
+    from openamct.techniques.quant_json import write_quant_json
 
     check_type("config_file", config_file, str)
     model = _check_common(model, input_data, config_defination=config_defination)

@@ -3,11 +3,12 @@ layers, plan every eligible one at one ratio, analyse the groups and select the 
 
 from __future__ import annotations
 
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
+from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from openamct.prune.dependency import analyse
 from openamct.prune.filter import score_and_select
+from openamct.techniques.filter_prune import FilterSpec
 
 
 def select_filters(model, inputs, ratio: float = 0.5, ascend: bool = False,

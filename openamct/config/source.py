@@ -1,6 +1,7 @@
 """Where a plan comes from, and the config path in order: parse -> validate -> plan.
 
-A retrain .cfg (protobuf text), the QAT family's JSON, or, for the QAT family without a config,
+A retrain .cfg (protobuf text), the QAT family's JSON (read by the quantization technique,
+``techniques/quant_json.py``), or, for the QAT family without a config,
 every supported layer with default settings. Each step runs once and hands its result on; no
 step calls back into an earlier one. ``techniques`` is the registry in use: the techniques'
 config slices validate and read their own fields.
@@ -13,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from openamct.config.parse import parse_config_bytes, read_config_file
 from openamct.config.plan import APIS, resolve_plan
-from openamct.config.quant_json import is_json, plan_from_json, quant_slice
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
+from openamct.config.rules import QUANT
 from openamct.config.specs import Plan
 from openamct.config.validate import validate_fields, validate_for_model
 from openamct.graph.layers import LayerInfo
@@ -45,7 +46,10 @@ def load_plan(path: str | None, layers: Mapping[str, LayerInfo], api: str, modul
                           src="default config")
     raw = read_config_file(path, arg)
     src = f"{arg} {path!r}"
-    if api == "quant" and is_json(raw):
-        return plan_from_json(raw, layers, src, *quant_slice(techniques))
+    if api == "quant" and raw.lstrip().startswith(b"{"):  # the QAT family's JSON: its technique reads it
+        quant = next((t for t in techniques if t.family is QUANT), None)
+        if quant is None:
+            raise ValueError("the techniques in use have no quantization technique: a QAT JSON config needs one")
+        return quant.plan_from_json(raw, layers, src)
     cfg, text = parse_config_bytes(raw, src)
     return build_plan(cfg, layers, api, techniques=techniques, modules=modules, text=text, src=src)

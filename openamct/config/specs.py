@@ -1,62 +1,13 @@
 """What the plan says for one layer: plain frozen values, no protobuf objects.
 
-``LayerPlan.specs`` maps a technique's name to its slice; the slice types of the built-in
-techniques are the frozen dataclasses below (a new technique may bring its own)."""
+``LayerPlan.specs`` maps a technique's name to its slice; each technique defines its slice's
+type beside itself (``techniques.quantization.QuantSpec``, ``techniques.filter_prune.FilterSpec``,
+``techniques.sparsity24.NMSpec``, ...)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-from openamct.formats import QuantFormat, activation_format, weight_format
-
-
-@dataclass(frozen=True)
-class ActSpec:
-    """ULQ input-activation quantization. ``fixed_min=None`` means: pin clip_min at 0 when the
-    layer's input comes from a ReLU (decided from the graph)."""
-
-    clip_max: float | None = None
-    clip_min: float | None = None
-    fixed_min: bool | None = None
-    dst_type: str = "INT8"  # a name of openamct.formats.ACTIVATION_FORMATS
-
-    @property
-    def format(self) -> QuantFormat:
-        return activation_format(self.dst_type)
-
-
-@dataclass(frozen=True)
-class WtsSpec:
-    algo: str = "arq"  # "arq" | "ulq"
-    channel_wise: bool = True
-    dst_type: str = "INT8"  # a name of openamct.formats.WEIGHT_FORMATS
-
-    @property
-    def format(self) -> QuantFormat:
-        """The weight format, with this layer's granularity."""
-        return weight_format(self.dst_type, self.channel_wise)
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    act: ActSpec
-    wts: WtsSpec
-
-
-@dataclass(frozen=True)
-class FilterSpec:
-    ratio: float
-    ascend_optimized: bool = True
-
-
-@dataclass(frozen=True)
-class NMSpec:
-    update_freq: int = 0
-    data_aware: bool = False  # openamct's activation_aware_prune: |w| * ||x|| over batch_num forwards
-    batch_num: int = 1
-    n: int = 2
-    m: int = 4
 
 
 @dataclass
@@ -74,19 +25,19 @@ class LayerPlan:
     # (``openamct inspect``, the channel search, tests). The pipeline, the plan resolution, the
     # record keeper and the export read ``specs`` through the techniques only.
     @property
-    def quant(self) -> QuantSpec | None:
+    def quant(self):  # -> techniques.quantization.QuantSpec | None
         return self.specs.get("quant")
 
     @property
-    def filter(self) -> FilterSpec | None:
+    def filter(self):  # -> techniques.filter_prune.FilterSpec | None
         return self.specs.get("filter_prune")
 
     @property
-    def nm(self) -> NMSpec | None:
+    def nm(self):  # -> techniques.sparsity24.NMSpec | None
         return self.specs.get("2:4")
 
     @property
-    def prune(self) -> FilterSpec | NMSpec | None:
+    def prune(self):  # the filter or n:m slice
         return self.filter or self.nm
 
 

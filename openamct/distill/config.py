@@ -25,10 +25,10 @@ from google.protobuf import text_format
 from openamct._atomic import atomic_write_bytes
 from openamct.config.errors import ConfigError, locate
 from openamct.config.parse import read_config_file
-from openamct.config.quant_json import quant_entry
 from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
 from openamct.config.specs import Plan
 from openamct.distill.distill_config_pb2 import AMCTDistillConfig
+from openamct.techniques.quant_json import quant_entry
 
 __all__ = ["INT4_DEPLOYABLE", "DistillJson", "parse_distill_cfg", "to_retrain_config", "plan_to_json",
            "read_distill_json", "json_to_retrain_text", "check_int4_types", "skip_wins", "check_skip_types"]

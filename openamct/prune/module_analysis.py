@@ -7,8 +7,8 @@ input's channels passively; one-input activations pass them on; per-channel para
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from openamct.config.specs import FilterSpec
 from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorInfo
 from openamct.layer_types import FILTER_TYPES, features
@@ -26,7 +26,7 @@ class Source:
     op_type: str
     channels: int
     group: int
-    spec: FilterSpec | None  # None: the layer starts a channel space but is not pruned
+    spec: Any  # techniques.filter_prune.FilterSpec; None: the layer starts a channel space but is not pruned
     why_not: str = ""
     begin: int = 0  # first output row: a piece of a fused projection's output (fused_split)
     follower: bool = False  # not a layer: a per-head bias table that follows its head group (head_bias)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, f32, prune_kind
-from openamct.config.specs import FilterSpec
 from openamct.graph.layers import NEVER_CALLED
 from openamct.prune.group import BlockedGroup, PruneGroup
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
@@ -27,6 +26,12 @@ class FilterState:
     groups: list[PruneGroup]  # the groups that lose channels
     entries: list[PruneRecord]  # their record entries, as written (restore: as read)
     blocked: list[BlockedGroup] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    ratio: float
+    ascend_optimized: bool = True
 
 
 class FilterPruning(Technique):

@@ -24,13 +24,54 @@ from openamct.compressed.recurrent import RecurrentLayer, record_keys, unsupport
 from openamct.config.errors import ConfigError, locate
 from openamct.config.retrain_config_pb2 import DataType
 from openamct.config.rules import QUANT, f32, winning_block
-from openamct.config.specs import ActSpec, QuantSpec, WtsSpec
-from openamct.formats import ACTIVATION_FORMATS, DEFAULT, WEIGHT_FORMATS
+from openamct.formats import (
+    ACTIVATION_FORMATS,
+    DEFAULT,
+    WEIGHT_FORMATS,
+    QuantFormat,
+    activation_format,
+    weight_format,
+)
 from openamct.layer_types import ALL_TYPES, LAYER_TYPES
 from openamct.module_tree import set_module
 from openamct.quant.quantizers import ActULQ, WeightARQ, WeightULQ
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord, SingleLayerRecord
 from openamct.techniques.base import Context, ExportParts, Technique
+
+# -- the config slice: what the plan holds for one quantized layer -------------------------
+
+@dataclass(frozen=True)
+class ActSpec:
+    """ULQ input-activation quantization. ``fixed_min=None`` means: pin clip_min at 0 when the
+    layer's input comes from a ReLU (decided from the graph)."""
+
+    clip_max: float | None = None
+    clip_min: float | None = None
+    fixed_min: bool | None = None
+    dst_type: str = "INT8"  # a name of openamct.formats.ACTIVATION_FORMATS
+
+    @property
+    def format(self) -> QuantFormat:
+        return activation_format(self.dst_type)
+
+
+@dataclass(frozen=True)
+class WtsSpec:
+    algo: str = "arq"  # "arq" | "ulq"
+    channel_wise: bool = True
+    dst_type: str = "INT8"  # a name of openamct.formats.WEIGHT_FORMATS
+
+    @property
+    def format(self) -> QuantFormat:
+        """The weight format, with this layer's granularity."""
+        return weight_format(self.dst_type, self.channel_wise)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    act: ActSpec
+    wts: WtsSpec
+
 
 _DTYPE = {v: k for k, v in DataType.items()}
 
@@ -176,6 +217,12 @@ class Quantization(Technique):
     family = QUANT
     layer_types = ALL_TYPES  # every layer type of the table
 
+
+    def plan_from_json(self, raw: bytes, layers, src: str):
+        """A plan from the QAT family's JSON config (``techniques/quant_json.py``)."""
+        from openamct.techniques.quant_json import plan_from_json
+
+        return plan_from_json(raw, layers, src, self.name, tuple(self.layer_types))
     def eligible(self, info) -> str | None:
         why = super().eligible(info)
         if why is None and LAYER_TYPES[info.type].recurrent:

@@ -22,7 +22,6 @@ import torch
 
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, prune_kind
-from openamct.config.specs import NMSpec
 from openamct.record import attrs
 from openamct.record.mask_codec import bits_of_words, num_words, pack_mask, unpack_bits, unpack_rows
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
@@ -30,6 +29,15 @@ from openamct.record.sidecar import FILE, SIDECAR_MIN_WEIGHTS, MaskBlob, Sidecar
 from openamct.techniques.base import Context, Technique, selective_algorithm
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NMSpec:
+    update_freq: int = 0
+    data_aware: bool = False  # openamct's activation_aware_prune: |w| * ||x|| over batch_num forwards
+    batch_num: int = 1
+    n: int = 2
+    m: int = 4
 
 
 def is_mask_entry(entry: PruneRecord) -> bool:

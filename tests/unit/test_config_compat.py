@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from openamct import pipeline
-from openamct.config.specs import FilterSpec, NMSpec
+from openamct.techniques.filter_prune import FilterSpec
+from openamct.techniques.sparsity24 import NMSpec
 from tests.conftest import COMPAT, compat_config
 from tests.models import Net001
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from openamct.config.parse import load_config
 from openamct.config.source import build_plan
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
+from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from openamct.prune.dependency import analyse
@@ -23,6 +23,7 @@ from openamct.prune.index_mapping import (
     reshape_axis,
 )
 from openamct.techniques import TECHNIQUES
+from openamct.techniques.filter_prune import FilterSpec
 from tests.conftest import compat_config
 from tests.models import (
     ConcatNet,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
+from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from openamct.prune.dependency import analyse
@@ -21,6 +21,7 @@ from openamct.prune.filter import (
     kept_count,
     score_and_select,
 )
+from openamct.techniques.filter_prune import FilterSpec
 from tests.models import MODELS, OUTPUT_SHAPES, EltwiseGroupNet, Net001, example_input
 
 # -- models -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
+from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from openamct.prune.dependency import analyse
@@ -18,6 +18,7 @@ from openamct.prune.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.file_io import read_record, write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.techniques.filter_prune import FilterSpec
 from tests.conftest import COMPAT
 from tests.models import INPUT_SHAPES, MobileNetV2Tiny, UNetTiny
 from tests.record_models import EltwiseConv, NetTrainBranch, SingleConv, SplitConcatConv

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.config.specs import FilterSpec, LayerPlan, Plan
+from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from openamct.prune.dependency import analyse
@@ -16,6 +16,7 @@ from openamct.prune.filter import apply_removal, score_and_select
 from openamct.prune.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.techniques.filter_prune import FilterSpec
 from tests.zoo.families import build
 
 

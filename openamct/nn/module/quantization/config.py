@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from openamct.config.specs import ActSpec, QuantSpec, WtsSpec
 from openamct.formats import DEFAULT, QAT_MODULE_ACTIVATION_FORMATS, WEIGHT_FORMATS
+from openamct.techniques.quantization import ActSpec, QuantSpec, WtsSpec
 
 __all__ = ["QatConfig", "parse_qat_config", "TOP_KEYS", "DATA_KEYS", "WEIGHT_KEYS", "WEIGHT_ALGOS"]
 

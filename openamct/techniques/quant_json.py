@@ -1,4 +1,5 @@
-"""The QAT family's JSON config (what create_quant_retrain_config writes).
+"""The QAT family's JSON config (what create_quant_retrain_config writes): the quantization
+technique's config slice in the form upstream's QAT family reads (``Quantization.plan_from_json``).
 
 Layout (upstream-like, flat): {"version": 1, "batch_num": N, "<layer>": {"retrain_enable": bool,
 "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8", ["clip_max", "clip_min"],
@@ -16,12 +17,9 @@ from collections.abc import Mapping, Sequence
 from openamct._atomic import atomic_write_bytes
 from openamct.config.errors import ConfigError
 from openamct.config.rules import QUANT
-from openamct.config.specs import ActSpec, LayerPlan, Plan, QuantSpec, WtsSpec
+from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.layers import LayerInfo
-
-
-def is_json(raw: bytes) -> bool:
-    return raw.lstrip().startswith(b"{")
+from openamct.techniques.quantization import ActSpec, QuantSpec, WtsSpec
 
 
 def plan_to_json(plan: Plan, technique: str, types: tuple[str, ...]) -> dict:
