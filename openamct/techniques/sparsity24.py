@@ -221,7 +221,7 @@ class Sparsity24(Technique):
             if spec.data_aware and module.weight.shape and getattr(module, "groups", 1) == 1:
                 sp = DataAwareNMSparsifier.from_module(module, 0, spec.batch_num)
             else:
-                sp = NMSparsifier.from_module(module, spec.update_freq)
+                sp = NMSparsifier.from_module(module, spec.update_freq, spec.n, spec.m)
             if packed is not None:
                 sp.set_mask_bits(packed[1])
                 state.recorded[name] = packed[1]

@@ -431,3 +431,26 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
         ref = _reference_mask(flat, 2, 4).reshape(*w.movedim(axis, -1).shape).movedim(-1, axis)
         assert torch.equal(sp.mask, ref.bool())
         assert torch.equal(keep24_into(w, axis, ws), compute_nm_mask(w, axis, as_bool=True))
+
+
+def test_an_n_of_m_sparsifier_keeps_n_of_every_m_and_never_takes_the_2_4_path():
+    """NMSparsifier is not hard-wired to 2:4: 4:8 and 1:4 masks keep n of every m along the
+    input axis, and the large path's 2:4 keep-flags function (``keep24``) is taken for 2:4 only."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 16)
+
+    def refuse(axis):
+        raise AssertionError("the 2:4 path was taken for another pattern")
+
+    for n, m in ((4, 8), (1, 4)):
+        sp = NMSparsifier(tuple(w.shape), 1, 0, n=n, m=m).train()
+        sp.keep24 = refuse
+        out = sp(w)
+        kept = (out != 0).view(6, 16 // m, m).sum(-1)
+        assert torch.equal(kept, torch.full_like(kept, n)), (n, m)
+        assert torch.equal(sp.mask, compute_nm_mask(w, 1, n, m, as_bool=True))
+    calls = []
+    sp24 = NMSparsifier(tuple(w.shape), 1, 0).train()
+    sp24.keep24 = lambda axis: calls.append(axis) or (lambda x: compute_nm_mask(x, axis, as_bool=True))
+    sp24(w)
+    assert calls == [1]
