@@ -118,7 +118,7 @@ class QParamTable:
         self._index = {id(q): i for i, q in enumerate(self.quantizers)}
         self._rows: dict[str, Tensor] | None = None
         self._seen: list[tuple] = []  # per quantizer: the clip tensors, their versions, fixed flag
-        self._consts: tuple[torch.device, tuple[Tensor, Tensor]] | None = None
+        self._consts: tuple[torch.device, tuple[Tensor, ...]] | None = None
         self._fixed: tuple[tuple[bool, ...], Tensor] | None = None
         self._views: dict[int, ActQParams] = {}
 
@@ -131,7 +131,7 @@ class QParamTable:
     def _same(a: tuple, b: tuple) -> bool:
         return a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[3] == b[3] and a[4] == b[4]
 
-    def _device_consts(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _device_consts(self, device: torch.device) -> tuple[Tensor, ...]:
         if self._consts is None or self._consts[0] != device:
             self._consts = (device, constants(self.fmt, device))
         return self._consts[1]
@@ -148,7 +148,7 @@ class QParamTable:
         """Recompute every row if any quantizer's clips changed since the last refresh (their
         versions moved: an optimizer step, a load; or the tensors were replaced: ``.to``)."""
         states = [self._state(q) for q in self.quantizers]
-        if self._rows is not None and all(map(self._same, states, self._seen)):
+        if not states or (self._rows is not None and all(map(self._same, states, self._seen))):
             return
         device = states[0][0].device
         if any(s[0].device != device or s[2].device != device for s in states):
