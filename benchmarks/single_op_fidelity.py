@@ -20,8 +20,6 @@ Usage: python benchmarks/single_op_fidelity.py [--steps 20] [--images 64] [--siz
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import os
 import sys
 import tempfile
@@ -37,35 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import openamct as amct  # noqa: E402
 from benchmarks.deploy_speed import bench  # noqa: E402
-from openamct.nn.module.quantization import Conv2dQAT, LinearQAT  # noqa: E402
+from benchmarks.single_op_qat import graph_flow_config, to_single_op  # noqa: E402
 from tests.zoo.torchvision_ops import vision_modules  # noqa: E402
-
-
-def fed_by_relu(name: str) -> bool:
-    """Every layer of torchvision's ResNet-18 but the stem conv reads a ReLU output (a block's
-    input or middle, the pooled features)."""
-    return name != "conv1"
-
-
-def to_single_op(model: nn.Module) -> nn.Module:
-    qat = copy.deepcopy(model)
-    for name, m in list(qat.named_modules()):
-        cls = {nn.Conv2d: Conv2dQAT, nn.Linear: LinearQAT}.get(type(m))
-        if cls is None:
-            continue
-        cfg = {"retrain_data_config": {"fixed_min": fed_by_relu(name)},
-               "retrain_weight_config": {"channel_wise": True}}
-        parent, _, leaf = name.rpartition(".")
-        setattr(qat.get_submodule(parent) if parent else qat, leaf, cls.from_float(m, cfg))
-    return qat
-
-
-def graph_flow_config(model: nn.Module, path: str) -> None:
-    layers = {n: {"retrain_enable": True, "retrain_data_config": {"fixed_min": fed_by_relu(n)},
-                  "retrain_weight_config": {"algo": "arq_retrain", "channel_wise": True}}
-              for n, m in model.named_modules() if type(m) in (nn.Conv2d, nn.Linear)}
-    with open(path, "w") as f:
-        json.dump({"version": 1, "batch_num": 1, **layers}, f)
 
 
 def set_bn_statistics(model: nn.Module, images: torch.Tensor) -> None:
