@@ -39,16 +39,22 @@ def session(path: str, threads: int = THREADS):
 
 
 def latency_ms(sessions: dict, feeds: np.ndarray | dict[str, np.ndarray], runs: int = 100,
-               warmup: int = 5, min_s: float = 0.0) -> dict[str, float]:
+               warmup: int = 5, min_s: float = 0.0, by_position: bool = False) -> dict[str, float]:
     """Median wall time (ms) of one ``run`` per session, timed in interleaved rounds.
 
-    ``feeds``: an array (each session's first input) or a name -> array dict (every session).
+    ``feeds``: an array (each session's first input) or a name -> array dict (every session;
+    with ``by_position``, its values go to each session's inputs in order, whatever their names).
     ``min_s``: keep adding rounds (up to 100x ``runs``) until this many seconds were timed; a
     0.1 ms model timed 30 times is 3 ms of samples, and one scheduler hiccup moves its median."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    per_session = {k: feeds if isinstance(feeds, dict) else {s.get_inputs()[0].name: feeds}
-                   for k, s in sessions.items()}
+    if by_position:
+        values = list(feeds.values())
+        per_session = {k: {i.name: v for i, v in zip(s.get_inputs(), values, strict=True)}
+                       for k, s in sessions.items()}
+    else:
+        per_session = {k: feeds if isinstance(feeds, dict) else {s.get_inputs()[0].name: feeds}
+                       for k, s in sessions.items()}
     for k, s in sessions.items():
         for _ in range(warmup):
             s.run(None, per_session[k])

@@ -214,17 +214,21 @@ def test_exactly_placed_quantizers_reproduce_the_fake_quant_model(saved, digits)
 
 def test_verify_pair_reports_agreement_and_latency(saved):
     fake, deploy = saved["ResBlockNet"]
-    r = verify_pair(fake, deploy, (8, 1, 8, 8), runs=3)
+    r = verify_pair(fake, deploy, (8, 1, 8, 8), runs=3, samples=2)
+    assert r["files"] == {"deploy": deploy, "fake-quant": fake}
     assert r["inputs"] == {"x": [8, 1, 8, 8]} and r["outputs"][0]["shape"] == [8, 10]
-    assert r["argmax_agreement"] is not None and r["fake_ms"] > 0 and r["deploy_ms"] > 0
+    a = r["agreement"]["fake-quant"]["output"]
+    assert a["rows"] == 16 and a["samples"] == 2 and 0 <= a["same_top1"] <= 16
+    assert r["latency_ms"]["fake-quant"] > 0 and r["latency_ms"]["deploy"] > 0 and r["speedup_vs_fp32"] is None
+    assert r["integer_kernels"].get("QLinearConv", 0) > 0
     text = format_verification(r)
-    assert "cosine" in text and "argmax agreement" in text and "faster" in text
+    assert "cosine" in text and "same top-1" in text and "speed-up over FP32: not measured" in text
     # Where ORT's u8s8 kernels saturate (x86-64 without VNNI) the report says so, and the
     # agreement is ORT's, not the file's (measured cosine 0.94 here on an AVX2-only EPYC).
     assert r["u8s8_saturates"] == u8s8_saturates() and ("without VNNI" in text) == r["u8s8_saturates"]
     if not r["u8s8_saturates"]:
-        assert r["cosine"] > 0.99
-    assert verify_pair(fake, deploy, (1, 1, 8, 8), batch=5, runs=1)["inputs"]["x"] == [5, 1, 8, 8]
+        assert a["cosine_mean"] > 0.99
+    assert verify_pair(fake, deploy, (1, 1, 8, 8), batch=5, runs=1, samples=1)["inputs"]["x"] == [5, 1, 8, 8]
 
 
 def test_verify_pair_rejects_bad_input(saved, tmp_path):
@@ -235,3 +239,5 @@ def test_verify_pair_rejects_bad_input(saved, tmp_path):
         verify_pair(fake, deploy, (1, -1, 8, 8))
     with pytest.raises(ValueError, match="input-shape"):
         verify_pair(fake, deploy, (1, 3, 8, 8))
+    with pytest.raises(ValueError, match="wrong way round"):
+        verify_pair(deploy, fake, (1, 1, 8, 8))
