@@ -56,6 +56,25 @@ def _check_save(model: Any, save_path: Any, input_data: Any, input_names: Any, o
     return model
 
 
+def _check_extras(save_path: str, fp32_model: Any, report: Any) -> nn.Module | None:
+    """save_*'s keyword-only extras (export/fp32_reference.py), checked before any work."""
+    from openamct.export.fp32_reference import check_after_save, fp32_path
+
+    plain = check_after_save(fp32_model, report)
+    if plain is not None:
+        check_output("fp32_model", fp32_path(save_paths(save_path)[0]), "onnx", make_folder=True)
+    return plain
+
+
+def _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes) -> None:
+    if fp32_model is None and report is None:
+        return
+    from openamct.export.fp32_reference import after_save
+
+    fake, deploy = save_paths(save_path)
+    after_save(fake, deploy, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
+
+
 def _check_inputs_distinct(**paths: Any) -> None:
     """Restore reads every one of these, and the record is rewritten during training: no two
     may be the same file."""
@@ -107,10 +126,18 @@ def restore_prune_retrain_model(model, input_data, record_file, config_definatio
                     config_defination=config_defination, pth_file=pth_file, state_dict_name=state_dict_name)
 
 
-def save_prune_retrain_model(model, save_path, input_data, input_names=None, output_names=None, dynamic_axes=None):
-    """Fold the masks/pruning into the weights and write the two ONNX files (identical here)."""
+def save_prune_retrain_model(model, save_path, input_data, input_names=None, output_names=None, dynamic_axes=None,
+                             *, fp32_model=None, report=None):
+    """Fold the masks/pruning into the weights and write the two ONNX files (identical here).
+
+    Keyword-only, beyond upstream (docs/checking.md): ``fp32_model``, the float model you
+    compressed, is also exported as ``{save_path}_fp32_model.onnx`` (same names and axes);
+    ``report``, a callable taking one str (``print``, a logger's ``info``), gets the one-line
+    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left."""
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes)
+    fp32_model = _check_extras(save_path, fp32_model, report)
     pipeline.save(model, save_path, input_data, None, input_names, output_names, dynamic_axes)
+    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
 
 
 # -- combined sparsity + quantization ("compressed" family) -------------------------------------
@@ -129,10 +156,17 @@ def restore_compressed_retrain_model(model, input_data, config_defination, recor
 
 
 def save_compressed_retrain_model(model, record_file, save_path, input_data, input_names=None, output_names=None,
-                                  dynamic_axes=None):
-    """Write ``{save_path}_fake_quant_model.onnx`` and ``{save_path}_deploy_model.onnx``."""
+                                  dynamic_axes=None, *, fp32_model=None, report=None):
+    """Write ``{save_path}_fake_quant_model.onnx`` and ``{save_path}_deploy_model.onnx``.
+
+    Keyword-only, beyond upstream (docs/checking.md): ``fp32_model``, the float model you
+    compressed, is also exported as ``{save_path}_fp32_model.onnx`` (same names and axes);
+    ``report``, a callable taking one str (``print``, a logger's ``info``), gets the one-line
+    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left."""
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file)
+    fp32_model = _check_extras(save_path, fp32_model, report)
     pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
 
 
 # -- quantization-aware training only ("quant" family) --------------------------------------------
@@ -181,12 +215,17 @@ def restore_quant_retrain_model(config_file, model, record_file, input_data, pth
 
 
 def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,
-                             output_names=None, dynamic_axes=None):
+                             output_names=None, dynamic_axes=None, *, fp32_model=None, report=None):
     """Write the fake-quant and deploy ONNX models of a QAT model: one returned by
     create/restore_quant_retrain_model, or one holding single-op QAT modules
     (``openamct.nn.module.quantization``), which is exported and converted as
     ``convert_qat_model`` converts its ONNX (``config_file`` and ``record_file`` are then
-    unused: the modules carry their own config, and there is no record)."""
+    unused: the modules carry their own config, and there is no record).
+
+    Keyword-only, beyond upstream (docs/checking.md): ``fp32_model``, the float model you
+    compressed, is also exported as ``{save_path}_fp32_model.onnx`` (same names and axes);
+    ``report``, a callable taking one str (``print``, a logger's ``info``), gets the one-line
+    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left."""
     from openamct.nn.convert import holds_qat_modules, save_qat_model
 
     check_type("config_file", config_file, str)
@@ -195,12 +234,15 @@ def save_quant_retrain_model(config_file, model, record_file, save_path, input_d
         # config_file and record_file are neither read nor written: not checked as files
         check_type("record_file", record_file, str)
         model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes)
+        fp32_model = _check_extras(save_path, fp32_model, report)
         logger.info("save_quant_retrain_model: single-op QAT modules: config_file and record_file are not read")
         save_qat_model(model, save_path, input_data, input_names, output_names, dynamic_axes)
-        return
-    model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
-                        config_file)
-    pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+    else:
+        model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
+                            config_file)
+        fp32_model = _check_extras(save_path, fp32_model, report)
+        pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
 
 
 def convert_qat_model(model_file, save_path):

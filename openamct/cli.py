@@ -86,12 +86,44 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                          (ValueError, TypeError), format_inspection)
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from openamct.export.verify import format_verification, verify_pair
+def _fp32_from_factory(spec: str, args: argparse.Namespace, folder: str) -> str:
+    """Export ``--fp32-model``'s model to ``folder`` on a random input of ``--input-shape``."""
+    import torch
 
-    return _print_result(
-        "verify", lambda: verify_pair(args.fake, args.deploy, args.input_shape, batch=args.batch, runs=args.runs),
-        (ValueError, OSError), format_verification)
+    from openamct.export.fp32_reference import write_fp32
+
+    model = _load_factory(spec)()
+    if isinstance(model, tuple) and len(model) == 2:
+        model = model[0]
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--fp32-model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    shape = list(args.input_shape)
+    if args.batch is not None:
+        shape[0] = args.batch
+    path = os.path.join(folder, "fp32_model.onnx")
+    write_fp32(model, path, torch.randn(*shape), None)
+    return path
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+
+    from openamct.export.verify import format_verification, verify_files
+
+    if args.fp32 and args.fp32_model:
+        print("openamct verify: give the FP32 model one way: --fp32 FILE or --fp32-model package.module:factory",
+              file=sys.stderr)
+        return 2
+
+    def compute():
+        with tempfile.TemporaryDirectory(prefix="openamct-verify-") as tmp:
+            fp32 = _fp32_from_factory(args.fp32_model, args, tmp) if args.fp32_model else args.fp32
+            return verify_files(args.files, args.input_shape, fp32_path=fp32, batch=args.batch, runs=args.runs,
+                                samples=args.samples)
+
+    return _print_result("verify", compute, (ValueError, TypeError, OSError),
+                         (lambda r: json.dumps(r, indent=2)) if args.json else format_verification)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -137,52 +169,80 @@ def cmd_prune_search(args: argparse.Namespace) -> int:
                          lambda text: text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openamct", description="AMCT-compatible retrain compression for PyTorch")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = p.add_subparsers(dest="command", required=True)
+def _verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log at INFO level, progress included (default: warnings only)")
 
-    d = sub.add_parser("demo", help="compress a real MNIST CNN end to end and report")
-    d.add_argument("--out", default="demo-out", help="folder for ONNX files, report.md and the chart")
-    d.add_argument("--config", default=None, help="retrain config (.cfg); default: demo.cfg of openamct.demo")
-    d.add_argument("--epochs", type=int, default=None, help="epochs for FP32 training and for retraining (default: 15 and 12)")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openamct", description="AMCT-compatible retrain compression for PyTorch. "
+                                "Each command's options: openamct COMMAND --help")
+    _verbose(p, False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=text, description=text)
+        _verbose(c, argparse.SUPPRESS)  # also after the command: openamct inspect -v ...
+        return c
+
+    d = command("demo", "compress a real MNIST CNN end to end and write a report")
+    d.add_argument("--out", default="demo-out", help="folder for the ONNX files, report.md and the chart "
+                   "(default: demo-out)")
+    d.add_argument("--config", default=None, help="retrain config (.cfg) (default: demo.cfg of openamct.demo)")
+    d.add_argument("--epochs", type=int, default=None,
+                   help="epochs for FP32 training and for retraining (default: 15 and 12)")
     d.set_defaults(func=cmd_demo)
 
-    i = sub.add_parser("inspect", help="show the per-layer plan of a config for a model")
+    i = command("inspect", "show what a config does to a model, layer by layer, before training")
     i.add_argument("--model", required=True,
-                   help="package.module:factory returning the model, or (model, example_inputs)")
-    i.add_argument("--input-shape", type=_shape, help="one float input, e.g. 1,3,224,224")
+                   help="package.module:factory returning the model, or (model, example_inputs) (required)")
+    i.add_argument("--input-shape", type=_shape, help="one float input, e.g. 1,3,224,224 (default: none; give the "
+                   "inputs one way: this, --input, or a factory returning them)")
     i.add_argument("--input", action="append", type=_named_input, default=[],
-                   help="a keyword input name:dtype:shape (repeatable), e.g. input_ids:int64:1,128")
-    i.add_argument("--config", required=True, help="retrain config (.cfg)")
-    i.add_argument("--api", choices=("prune", "compressed", "quant"), default="compressed")
+                   help="a keyword input name:dtype:shape, repeatable, e.g. input_ids:int64:1,128 (default: none)")
+    i.add_argument("--config", required=True, help="retrain config (.cfg) (required)")
+    i.add_argument("--api", choices=("prune", "compressed", "quant"), default="compressed",
+                   help="whose rules apply: prune = create_prune_retrain_model, compressed = "
+                        "create_compressed_retrain_model, quant = create_quant_retrain_model (default: compressed)")
     i.set_defaults(func=cmd_inspect)
 
-    v = sub.add_parser("verify", help="run fake-quant and deploy ONNX models on one batch and compare")
-    v.add_argument("fake")
-    v.add_argument("deploy")
-    v.add_argument("--input-shape", required=True, type=_shape)
-    v.add_argument("--batch", type=int, default=None, help="override the first input dim")
-    v.add_argument("--runs", type=int, default=20, help="timed runs per model")
+    v = command("verify", "is the deploy model faster than FP32, and does it agree with it and with fake-quant?")
+    v.add_argument("files", nargs="+", metavar="ONNX",
+                   help="the deploy file, and the fake-quant file of the same save and/or an FP32 export, in any "
+                        "order: each is recognised by its content (the deploy file holds the integer weights)")
+    v.add_argument("--fp32", default=None, help="an FP32 ONNX export of the model you compressed, e.g. the "
+                   "{save_path}_fp32_model.onnx that save_*(..., fp32_model=model) writes (default: none)")
+    v.add_argument("--fp32-model", default=None, metavar="PKG.MOD:FACTORY",
+                   help="package.module:factory returning the FP32 model, exported here (default: none)")
+    v.add_argument("--input-shape", required=True, type=_shape,
+                   help="the first input's shape, e.g. 1,3,224,224; inputs are random (required)")
+    v.add_argument("--batch", type=int, default=None, help="override the first dim of --input-shape (default: as given)")
+    v.add_argument("--runs", type=int, default=20, help="timed runs per model, interleaved (default: 20)")
+    v.add_argument("--samples", type=int, default=16, help="random inputs the agreement is measured on (default: 16)")
+    v.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
     v.set_defaults(func=cmd_verify)
 
-    r = sub.add_parser("report", help="summarise a record file per layer")
-    r.add_argument("record")
-    r.add_argument("--json", action="store_true")
+    r = command("report", "summarise a record file, layer by layer")
+    r.add_argument("record", help="the record file (record_file of create_*)")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON (default: a table)")
     r.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("prune-search", help="choose per-layer filter-prune ratios for a MACs or latency budget")
-    s.add_argument("--model", required=True, help="package.module:factory returning the model")
-    s.add_argument("--config", required=True, help="AutoChannelPruneConfig (.cfg): compress_ratio, ...")
-    s.add_argument("--out", required=True, help="the retrain config to write (e.g. found.cfg)")
-    s.add_argument("--weights", default=None, help="state dict (.pth, torch.save) to load into the model")
-    s.add_argument("--data", default=None, help="package.module:factory returning a list of [data, label] batches")
+    s = command("prune-search", "choose per-layer filter-prune ratios for a MACs or latency budget")
+    s.add_argument("--model", required=True, help="package.module:factory returning the model (required)")
+    s.add_argument("--config", required=True, help="AutoChannelPruneConfig (.cfg): compress_ratio, ... (required)")
+    s.add_argument("--out", required=True, help="the retrain config to write, e.g. found.cfg (required)")
+    s.add_argument("--weights", default=None, help="state dict (.pth, torch.save) to load into the model "
+                   "(default: the factory's weights)")
+    s.add_argument("--data", default=None,
+                   help="package.module:factory returning a list of [data, label] batches (default: none)")
     s.add_argument("--input-shape", type=_shape, default=None,
-                   help="without --data: random batches of this shape, labelled with the model's own predictions")
-    s.add_argument("--batches", type=int, default=1, help="random batches to make without --data")
-    s.add_argument("--budget", choices=("macs", "latency"), default="macs")
-    s.add_argument("--chart", default=None, help="also write the report as a PNG chart here")
-    s.add_argument("--json", action="store_true", help="print the report as JSON")
+                   help="without --data: random batches of this shape, labelled with the model's own predictions "
+                        "(default: none)")
+    s.add_argument("--batches", type=int, default=1, help="random batches to make without --data (default: 1)")
+    s.add_argument("--budget", choices=("macs", "latency"), default="macs",
+                   help="what compress_ratio divides: MACs, or ONNX Runtime latency on this CPU (default: macs)")
+    s.add_argument("--chart", default=None, help="also write the report as a PNG chart here (default: none)")
+    s.add_argument("--json", action="store_true", help="print the report as JSON (default: a table)")
     s.set_defaults(func=cmd_prune_search)
     return p
 
@@ -190,7 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (openamct report ... | head): what it read is what it wanted.
+        # Point stdout at nothing so the interpreter's flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+    return code
 
 
 if __name__ == "__main__":

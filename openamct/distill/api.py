@@ -266,9 +266,15 @@ def distill(model, compress_model, config_file, train_loader, epochs=1, lr=1e-3,
 
 
 def save_distill_model(model, save_path, input_data, record_file=None, input_names=None, output_names=None,
-                       dynamic_axes=None):
+                       dynamic_axes=None, *, fp32_model=None, report=None):
     """Write ``{save_path}_fake_quant_model.onnx`` and ``{save_path}_deploy_model.onnx`` of a
-    distilled model; ``record_file`` None: the record the model was created with."""
+    distilled model; ``record_file`` None: the record the model was created with.
+
+    Keyword-only, beyond upstream (docs/checking.md): ``fp32_model`` is also exported as
+    ``{save_path}_fp32_model.onnx``; ``report`` (a callable taking one str) gets the one-line
+    summary of ``openamct verify``."""
+    from openamct.export.fp32_reference import after_save, check_after_save, fp32_path
+
     model = unwrap(model)
     check_type("model", model, nn.Module)
     check_type("save_path", save_path, str)
@@ -281,12 +287,19 @@ def save_distill_model(model, save_path, input_data, record_file=None, input_nam
     single_op = getattr(model, "_openamct", None) is None and holds_qat_modules(model)
     for path in (fake, deploy):
         check_output("save_path", path, "onnx", {} if single_op else {"record_file": record_file}, make_folder=True)
+    fp32 = check_after_save(fp32_model, report)
+    if fp32 is not None:
+        check_output("fp32_model", fp32_path(fake), "onnx", make_folder=True)
+    names = (input_names, output_names, dynamic_axes)
     if single_op:  # a student built from QAT modules: exported and converted as convert_qat_model does
         logger.info("save_distill_model: single-op QAT modules: record_file is not read")
-        return save_qat_model(model, save_path, input_data, input_names, output_names, dynamic_axes)
+        save_qat_model(model, save_path, input_data, *names)
+        if fp32 is not None or report is not None:
+            after_save(fake, deploy, input_data, fp32, report, *names)
+        return fake, deploy
     if record_file:
         check_output("record_file", record_file, "record", {"save_path": fake}, make_folder=True)
-    fake, deploy = pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
+    fake, deploy = pipeline.save(model, save_path, input_data, record_file, *names)
     if any(isinstance(m, CompressedLayer) and getattr(m.wts_quant, "format", None) is not None
            and m.wts_quant.format.bits == 4 for m in model.modules()):
         import onnx
@@ -297,4 +310,6 @@ def save_distill_model(model, save_path, input_data, record_file=None, input_nam
         n = pack_int4_weights(proto, INT4_DEPLOY_FORMAT)
         atomic_write_bytes(deploy, proto.SerializeToString())
         logger.info("save_distill_model: %d INT4 weight(s) stored as 4 bits (%s) in %s", n, INT4_DEPLOY_FORMAT, deploy)
+    if fp32 is not None or report is not None:
+        after_save(fake, deploy, input_data, fp32, report, *names)
     return fake, deploy
