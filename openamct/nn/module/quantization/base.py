@@ -19,6 +19,7 @@ the fake-quant model.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import torch
@@ -127,7 +128,7 @@ class QATLayer(CompressedLayer):
         # to convert_qat_model, which computes it from the exported scales as the layer does.
         y = self._op(self._export_input(x), self.wts_quant(self.weight), self.bias)
         obs = self.out_observer
-        if torch.compiler.is_exporting() or bool(obs.initialized):
+        if torch.compiler.is_exporting() or _observed(obs):
             # per output channel: convert_qat_model bounds the range of the BatchNorm folded
             # after it channel by channel
             lo, hi = obs.min_val.float().clamp(max=0.0), obs.max_val.float().clamp(min=0.0)
@@ -168,3 +169,12 @@ class QATLayer(CompressedLayer):
             return self._layer_cls.extra_repr(self) + ", retrain_enable=False"
         return (self._layer_cls.extra_repr(self) + f", data={q.act.dst_type}, weights={q.wts.dst_type} "
                 f"{q.wts.algo.upper()}{' per channel' if q.wts.channel_wise else ''}")
+
+
+def _observed(obs: RangeObserver) -> bool:
+    """Whether the output observer has seen data. Read under the TorchScript tracer on purpose:
+    an observer that has seen nothing writes no output marker into the file, so the value is a
+    constant of the export, and the tracer's warning about it would only alarm the user."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return bool(obs.initialized)
