@@ -39,7 +39,10 @@ def _quant_text(lp) -> str:
     a, w = lp.quant.act, lp.quant.wts
     clips = f"clip[{a.clip_min:g},{a.clip_max:g}]" if a.clip_max is not None else "clip:init"
     fixed = "" if a.fixed_min is None else (" fixed_min" if a.fixed_min else " free_min")
-    return f"ULQ {clips}{fixed} / {w.algo.upper()} {'per-ch' if w.channel_wise else 'per-tensor'}"
+    act_type = getattr(a, "dst_type", "INT8")
+    wts_type = getattr(w, "dst_type", "INT8")
+    return (f"{act_type} ULQ {clips}{fixed} / {wts_type} {w.algo.upper()} "
+            f"{'per-ch' if w.channel_wise else 'per-tensor'}")
 
 
 def _prune_text(lp) -> str:

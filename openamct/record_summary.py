@@ -63,6 +63,11 @@ def format_report(report: dict, as_json: bool = False) -> str:
     if as_json:
         return json.dumps(report, indent=2)
     lines = [f"record: {report['record']}", ""]
+    if not report["layers"] and not report["filter_groups"]:
+        lines.append("no entries yet. A record holds filter-prune groups from create_*, 2:4 masks from the first "
+                     "training batch, and quantization scales from the first eval-mode forward and from save_* "
+                     "(docs/record.md).")
+        return "\n".join(lines)
     header = ("layer", "kept channels", "2:4 zeros", "scale_d", "offset_d", "scale_w (n, min..max)")
     rows = [header]
     for layer in report["layers"]:

@@ -30,6 +30,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from openamct.export.ort_session import THREADS, latency_ms, session
+from openamct.progress import Progress
 from openamct.search.budget import Budget
 from openamct.search.space import SearchSpace
 
@@ -121,7 +122,8 @@ class LatencyTable:
         t0 = time.perf_counter()
         self.space, self.fp32_ms, self.points, self.tables = space, fp32_ms, 0, []
         modules, cache = dict(work.named_modules()), {}
-        with tempfile.TemporaryDirectory(prefix="openamct-latency-") as folder:
+        with tempfile.TemporaryDirectory(prefix="openamct-latency-") as folder, \
+                Progress("latency table", total=len(space.layers), logger=logger, unit="layer") as progress:
             def timed(m, x_shape, ci, co):
                 key = (type(m).__name__, x_shape, ci, co, str(getattr(m, "kernel_size", "")),
                        str(getattr(m, "stride", "")), str(getattr(m, "padding", "")), getattr(m, "groups", 1))
@@ -150,6 +152,7 @@ class LatencyTable:
                     ms = np.array([[timed(m, x_shape, ci, co) for co in couts] for ci in cins])
                 self.tables.append(_LayerTable(c.out_group, in_group, cins, couts, ms, c.in_channels,
                                                c.out_channels, repeat))
+                progress.update(what=c.name)
         self.full = self.table(space.channels())
         self.seconds = time.perf_counter() - t0
         logger.info("latency table: %d layer shapes timed in %.1f s", self.points, self.seconds)

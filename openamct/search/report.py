@@ -17,7 +17,7 @@ class GroupRow:
     ratio: float
     sensitivity: float  # mean per-channel score of the group (sum over its producers)
     lost: float  # share of the group's summed sensitivity that the removed channels carried
-    macs_share: float  # MACs of the group's layers (producers, consumers, depthwise) / prunable MACs
+    macs_share: float  # the group's share of the prunable MACs (SearchSpace.group_macs): the rows add up to 1
     fixed: bool  # from override_prune_cfg
     searchable: bool  # False: alignment or max_prune_ratio leaves it no smaller size
 

@@ -103,9 +103,18 @@ class SearchSpace:
     def smallest(self) -> list[int]:
         return [g.kept if g.fixed else g.options[-1] for g in self.groups]
 
-    def group_macs(self, g: int) -> int:
-        """MACs of the layers whose cost depends on group ``g``."""
-        return sum(c.macs for c in self.layers if c.out_group == g or any(t == g for t, _ in c.in_terms))
+    def group_macs(self, g: int) -> float:
+        """Group ``g``'s share of the prunable MACs, each layer counted once so the groups' shares
+        add up to the whole: a layer's MACs go to the group pruning its outputs, and those of a
+        layer whose outputs no group prunes are split evenly among the groups pruning its inputs."""
+        total = 0.0
+        for c in self.layers:
+            if c.out_group is not None:
+                total += c.macs if c.out_group == g else 0.0
+            else:
+                readers = sorted({t for t, _ in c.in_terms})
+                total += c.macs / len(readers) if g in readers else 0.0
+        return total
 
 
 def _layer_macs(info: LayerInfo, graph: Graph) -> tuple[int, int, int] | None:

@@ -63,3 +63,58 @@ def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "openamct")
     out = subprocess.run([exe, "--help"], env=checkout_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "inspect" in out.stdout and "verify" in out.stdout
+
+
+def test_every_option_says_its_default_and_options_follow_the_command(capsys, monkeypatch):
+    import argparse
+
+    from openamct.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = action.help or ""
+            positional = not action.option_strings
+            if not text or not (positional or "default" in text or "(required)" in text):
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}: {text!r}")
+    assert not missing, missing
+    monkeypatch.chdir(ROOT)
+    rc = main(["inspect", "-v", "--model", "tests.models:Net001", "--input-shape", "1,2,28,28",
+               "--config", compat_config("configuration__net_001_prune_complete.cfg"), "--api", "prune"])
+    assert rc == 0 and "filter r=0.4" in capsys.readouterr().out
+
+
+def test_inspect_names_the_weight_format(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    cfg = tmp_path / "int4.cfg"
+    cfg.write_text("retrain_data_quant_config { ulq_quantize { } }\n"
+                   "retrain_weight_quant_config { arq_retrain { dst_type: INT4 channel_wise: true } }\n")
+    assert main(["inspect", "--model", "tests.models:TwoConvNet", "--input-shape", "1,3,8,8", "--config",
+                 str(cfg)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("conv")}
+    assert "INT8 ULQ" in rows["conv1"] and "INT4 ARQ per-ch" in rows["conv1"]
+
+
+def test_report_of_an_empty_record_says_so(capsys, tmp_path):
+    record = tmp_path / "record.txt"
+    record.write_text("# openamct-fingerprint: 0123456789abcdef (1 layers)\n")
+    assert main(["report", str(record)]) == 0
+    assert "no entries yet" in capsys.readouterr().out
+
+
+def test_report_into_a_closed_pipe_exits_quietly(tmp_path):
+    record = tmp_path / "record.txt"  # a report far longer than a pipe's buffer
+    record.write_text("".join(f'record {{ key: "layer{i}" value {{ scale_d: 0.5 offset_d: 0 }} }}\n'
+                              for i in range(4000)))
+    exe = os.path.join(os.path.dirname(sys.executable), "openamct")
+    proc = subprocess.Popen([exe, "report", str(record)], env=checkout_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `| head -1` does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and first.startswith(b"record:")
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from google.protobuf import text_format
 
 from openamct.cli import main
@@ -43,3 +44,14 @@ def test_prune_search_json_and_user_errors(tmp_path, capsys):
     assert main(["prune-search", "--model", "openamct.demo.models:MnistNet", "--config", str(cfg),
                  "--out", str(out)]) == 2
     assert "--data" in capsys.readouterr().err
+
+
+def test_macs_shares_add_up_to_the_whole(tmp_path, capsys):
+    cfg, out = tmp_path / "s.cfg", tmp_path / "found.cfg"
+    cfg.write_text("compress_ratio: 1.5\n")
+    assert main(["prune-search", "--model", "openamct.demo.models:MnistNet", "--config", str(cfg), "--out", str(out),
+                 "--input-shape", "2,1,28,28", "--json"]) == 0
+    shares = [g["macs_share"] for g in json.loads(capsys.readouterr().out)["groups"]]
+    # each prunable layer's MACs counted once: to the group pruning its outputs, else split
+    # among the groups pruning its inputs (the fc, whose outputs stay, reads one group)
+    assert len(shares) == 4 and sum(shares) == pytest.approx(1.0) and all(0 < s < 1 for s in shares)
