@@ -32,6 +32,7 @@ from openamct.graph.layers import LayerInfo, find_layers
 from openamct.graph.parametrized import evaluate_parametrizations
 from openamct.module_tree import set_module
 from openamct.output_paths import folder_for, probe_folder
+from openamct.progress import Progress
 from openamct.record.file_io import read_record
 from openamct.record.fingerprint import check_fingerprint, fingerprint_header
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
@@ -120,8 +121,19 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
     from openamct.export.precheck import check_modules
 
     check_modules(model, "create")
+    progress = Progress("restore" if restoring else "create", total=len(techniques) + 2, logger=logger)
+    try:
+        return _build_steps(model, input_data, config, record_file, api, restoring, config_arg, techniques, large,
+                            record, progress)
+    finally:
+        progress.close()
+
+
+def _build_steps(model, input_data, config, record_file, api, restoring, config_arg, techniques, large, record,
+                 progress: Progress) -> nn.Module:
     work = deep_copy(model)
     a = analyse(work, input_data, config, api, config_arg, techniques)
+    progress.update(what="graph captured, config planned")
     header = fingerprint_header(a.layers)  # of the original model: before any technique edits it
     if restoring:
         with open(record_file, encoding="utf-8") as f:
@@ -130,6 +142,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
                   input_data=input_data)
     applied = []
     for technique in techniques:
+        progress.update(what=technique.name)
         if not technique.wanted(ctx):
             continue
         if restoring:
@@ -150,6 +163,7 @@ def _build(model: nn.Module, input_data: Any, config: str, record_file: str, api
         if parts.act_quant is not None and not getattr(parts.act_quant, "layer_name", "x"):
             parts.act_quant.layer_name = name
         set_module(work, name, layers[name])
+    progress.update(what="layers wrapped")
     place_added_modules(work, layers)
     _route_functional(work, a.layers, layers)
     keeper = RecordKeeper(record_file, applied, layers)

@@ -24,6 +24,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.distill.distill_sample import DistillSampleBase, model_input
 from openamct.distill.dump import TeacherDump
 from openamct.distill.groups import Taps, normalised_mse, run_model, to_device
+from openamct.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,6 @@ def train_groups(teacher: nn.Module, student: nn.Module, groups: Sequence[Sequen
                  on_step: Callable[[int, float], None] | None = None,
                  after_epoch: Callable[[], None] | None = None) -> list[float]:
     """Train ``student`` for ``epochs`` passes (``after_epoch`` runs after each); the loss per step."""
-    from tqdm.auto import tqdm
-
     loss_fn = normalised_mse if loss is None else loss
     device = _device(student)
     t_taps, s_taps = Taps(teacher, groups), Taps(student, groups, feed=True)
@@ -178,7 +177,7 @@ def train_groups(teacher: nn.Module, student: nn.Module, groups: Sequence[Sequen
             for epoch in range(epochs):
                 replay = dump is not None and epoch > 0
                 total = dump.count if replay else (len(loader) if hasattr(loader, "__len__") else None)
-                bar = tqdm(total=total, desc=f"distill epoch {epoch + 1}/{epochs}", leave=False, disable=None)
+                bar = Progress(f"distill epoch {epoch + 1}/{epochs}", total=total, logger=logger, unit="batch")
                 source = range(dump.count) if replay else _batches(loader, sample)
                 for item in source:
                     if replay:
@@ -204,8 +203,7 @@ def train_groups(teacher: nn.Module, student: nn.Module, groups: Sequence[Sequen
                     value.backward()
                     optimizer.step()
                     losses.append(float(value.detach()))
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{losses[-1]:.4g}")
+                    bar.update(what=f"loss {losses[-1]:.4g}")
                     if on_step is not None:
                         on_step(len(losses) - 1, losses[-1])
                 bar.close()

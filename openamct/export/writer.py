@@ -40,6 +40,7 @@ from openamct.export.ids import SAVE_ID_KEY, hash_model, tensor_bytes
 from openamct.export.recurrent import has_recurrent
 from openamct.export.signature import export_signature
 from openamct.graph.capture import split_input_data
+from openamct.progress import Progress
 from openamct.techniques import TECHNIQUES, Technique
 
 logger = logging.getLogger(__name__)
@@ -159,14 +160,18 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     if streamed_save is not None:  # branch point: see the docstring
         streamed_save(model, probe, fake_path, deploy_path, input_data, names, techniques, external_threshold)
     else:  # both models folded whole, exported, stamped and written
-        fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
-        del probe
-        work = working_copy(model, cpu=True)
-        observers = fold_deploy(work, techniques)
-        deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
-        del work
-        _stamp([fake, deploy])
-        write_onnx(fake, fake_path, external_threshold)
-        write_onnx(deploy, deploy_path, external_threshold)
+        with Progress("save", total=3, logger=logger) as progress:
+            fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
+            del probe
+            progress.update(what="fake-quant model exported")
+            work = working_copy(model, cpu=True)
+            observers = fold_deploy(work, techniques)
+            deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
+            del work
+            progress.update(what="deploy model exported")
+            _stamp([fake, deploy])
+            write_onnx(fake, fake_path, external_threshold)
+            write_onnx(deploy, deploy_path, external_threshold)
+            progress.update(what="written")
     logger.info("wrote %s and %s", fake_path, deploy_path)
 

@@ -15,6 +15,7 @@ from torch import nn
 from openamct._checks import check_model, check_type
 from openamct.module_tree import set_module
 from openamct.output_paths import check_output, check_path_syntax, folder_for
+from openamct.progress import Progress
 from openamct.tensor_decompose.factor import build_pair, decompose_conv, mode_of
 from openamct.tensor_decompose.info_file import check_entry, entry, read_info, write_info
 from openamct.tensor_decompose.rank import ineligible_reason
@@ -75,21 +76,23 @@ def auto_decomposition(model, decompose_info_path=None):
                                            make_folder=True)
     work = model
     changes: dict[str, list[str]] = {}
-    entries, skipped, errors, pairs = [], [], [], []
+    entries, errors, pairs = [], [], []
     before = after = 0
-    for conv, names in _convs(work).values():
-        reason = ineligible_reason(conv)
-        if reason is not None:
-            skipped += [(n, reason) for n in names]
-            continue
-        seq, err = decompose_conv(conv)
-        before += conv.weight.numel()
-        after += seq[0].weight.numel() + seq[1].weight.numel()
-        errors.append((err, names[0]))
-        logger.debug("auto_decomposition: %r -> rank %d (%s), relative weight error %.4f", names[0],
-                     seq[0].out_channels, mode_of(conv), err)
-        entries += [entry(n, conv, mode_of(conv), seq[0].weight.shape, seq[1].weight.shape) for n in names]
-        pairs.append((names, seq))
+    convs = list(_convs(work).values())
+    eligible = [(conv, names) for conv, names in convs if ineligible_reason(conv) is None]
+    skipped = [(n, ineligible_reason(conv)) for conv, names in convs if ineligible_reason(conv) is not None
+               for n in names]
+    with Progress("auto_decomposition", total=len(eligible), logger=logger, unit="conv") as progress:
+        for conv, names in eligible:
+            seq, err = decompose_conv(conv)
+            progress.update(what=names[0])
+            before += conv.weight.numel()
+            after += seq[0].weight.numel() + seq[1].weight.numel()
+            errors.append((err, names[0]))
+            logger.debug("auto_decomposition: %r -> rank %d (%s), relative weight error %.4f", names[0],
+                         seq[0].out_channels, mode_of(conv), err)
+            entries += [entry(n, conv, mode_of(conv), seq[0].weight.shape, seq[1].weight.shape) for n in names]
+            pairs.append((names, seq))
     _log_skipped("auto_decomposition", skipped)
     if errors:
         worst = max(errors)

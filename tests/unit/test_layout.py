@@ -40,7 +40,7 @@ def test_no_module_shadows_the_standard_library():
 # packages on lower rows only (top-level and function-level imports alike). Top-level modules
 # count as packages of their own; ``openamct`` is the package's ``__init__.py``.
 LAYERS = [
-    ("layer_types", "_atomic", "_checks", "log_summary", "module_tree", "formats"),
+    ("layer_types", "_atomic", "_checks", "log_summary", "module_tree", "formats", "progress"),
     ("graph",),
     ("config",),
     ("record",),  # file formats only: the record, its attrs and values, the mask file
