@@ -217,7 +217,7 @@ def format_verification(result: dict) -> str:
         lines.append("speed-up over FP32: not measured; give the FP32 model (--fp32 FILE, or --fp32-model "
                      "package.module:factory). The fake-quant model is no FP32 baseline: its quantizers add float ops")
     lines.append(f"ORT kernels of the deploy model: integer {_ops(result['integer_kernels'])}; "
-                 f"float compute {_ops(result['float_compute_ops'])}")
+                 f"float compute ops: {_ops(result['float_compute_ops'])}")
     if result.get("u8s8_saturates"):
         lines.append(saturation_note("the agreement above is lower than on CPUs with VNNI or AMX"))
     return "\n".join(lines)
