@@ -98,7 +98,8 @@ def _slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-@pytest.mark.parametrize("page", [*user_pages(), "benchmarks/README.md"])
+@pytest.mark.parametrize("page", [*user_pages(), "benchmarks/README.md",
+                                  *(f"docs/dev/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs", "dev"))))])
 def test_links_resolve(page):
     folder = os.path.dirname(os.path.join(ROOT, page))
     text = re.sub(r"```.*?```", "", _text(page), flags=re.S)
