@@ -26,7 +26,7 @@ __all__ = ["FP32_OF_KEY", "FileInfo", "file_info", "ort_kernels", "split_kernels
 # metadata_props key of an FP32 export written by save_* (fp32_model=): the save id of its pair
 FP32_OF_KEY = "openamct_fp32_of"
 
-_INTEGER = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+_INTEGER = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4})
 # ORT's integer kernels (and MatMulNBits, 4-bit weights), as its optimised graph names them
 _INTEGER_OPS = ("QLinear", "QGemm", "QAttention", "MatMulInteger", "ConvInteger", "DynamicQuantize",
                 "MatMulNBits")
