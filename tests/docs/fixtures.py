@@ -17,7 +17,6 @@ class Session:
     namespace: dict = field(default_factory=lambda: {"__name__": "__main__"})
     python_path: list[str] = field(default_factory=list)   # for bash blocks, after the checkout
     done: set = field(default_factory=set)
-    outputs: list[str] = field(default_factory=list)       # stdout of the bash blocks
 
 
 _SITECUSTOMIZE = """\

@@ -53,7 +53,6 @@ def _run_bash(block: Block, session: Session) -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (f"{block.where}: exit code {out.returncode}\n--- stdout\n{out.stdout[-3000:]}"
                                  f"\n--- stderr\n{out.stderr[-3000:]}")
-    session.outputs.append(out.stdout)
 
 
 def run_block(block: Block, session: Session) -> None:
