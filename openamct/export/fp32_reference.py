@@ -99,8 +99,9 @@ def after_save(fake_path: str, deploy_path: str, input_data: Any, fp32_model: nn
                report: Callable[[str], Any] | None, input_names=None, output_names=None,
                dynamic_axes=None) -> str | None:
     """Write the FP32 export when ``fp32_model`` is given; when ``report`` is, compare the files
-    (``verify_files`` on ``input_data`` and random inputs of its shapes), log the summary line at
-    INFO and pass it to ``report``. Returns the line (None without ``report``)."""
+    (``verify_files`` on ``input_data`` and random inputs of its shapes; random ones of its first
+    tensor's shape where its tensors are not the file's inputs one to one), log the summary line
+    at INFO and pass it to ``report``. Returns the line (None without ``report``)."""
     files = [deploy_path] if fake_path == deploy_path else [deploy_path, fake_path]
     if fp32_model is not None:
         meta = {p.key: p.value for p in onnx.load(deploy_path, load_external_data=False).metadata_props}
@@ -111,10 +112,13 @@ def after_save(fake_path: str, deploy_path: str, input_data: Any, fp32_model: nn
     if report is None:
         return None
     feeds = _feeds(input_data, deploy_path)
-    if feeds is None:
-        raise ValueError("report: input_data does not give one tensor per input of the deploy model, so it cannot "
-                         "be fed to it; run openamct verify on the files instead")
-    line = summary_line(verify_files(files, feeds=feeds))
+    if feeds is not None:
+        result = verify_files(files, feeds=feeds)
+    else:  # input_data's tensors do not line up with the file's inputs: random ones of the first's shape
+        args, kwargs = split_input_data(input_data)
+        first = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        result = verify_files(files, tuple(first.shape))
+    line = summary_line(result)
     logger.info("%s", line)
     report(line)
     return line
