@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.* importable
 
 from benchmarks.models import BasicBlock  # noqa: E402
-from openamct.prune.nm import NMSparsifier, compute_nm_mask, nm_eligible  # noqa: E402
+from openamct.sparsity.nm import NMSparsifier, compute_nm_mask, nm_eligible  # noqa: E402
 
 
 def block(cin: int, cout: int, stride: int) -> BasicBlock:

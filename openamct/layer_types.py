@@ -5,7 +5,7 @@ Configs name layer types by their torch class name ("Conv2d"); a subclass counts
 masks and channel-dependency analysis read the geometry here (op_type, spatial, transposed,
 axes). Which layers a technique may touch is the technique's own declaration
 (``Technique.layer_types`` / ``eligible``); the ``nm`` and ``filter`` columns remain for the
-2:4 kernels (``prune/nm.py``) and the channel-dependency analysis (``prune/dependency.py``),
+2:4 kernels (``sparsity/nm.py``) and the channel-dependency analysis (``sparsity/dependency.py``),
 which the 2:4 and filter-pruning techniques check against (tests/unit/test_technique_protocol.py).
 """
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
-from openamct.prune.dependency import analyse
-from openamct.prune.filter import score_and_select
+from openamct.sparsity.dependency import analyse
+from openamct.sparsity.filter import score_and_select
 from openamct.techniques.filter_prune import FilterSpec
 
 

@@ -126,7 +126,7 @@ class UnfusedMultiheadAttention(nn.Module):
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(N, L, E) inputs -> q, k, v as (N, H, L, head_dim). The heads are split by ``unflatten``
         with the head count written out, which filter pruning's head analysis refuses
-        (``prune/heads.py``): ``embed_dim`` and ``num_heads`` here would not follow pruned heads."""
+        (``sparsity/heads.py``): ``embed_dim`` and ``num_heads`` here would not follow pruned heads."""
         h, d = self.num_heads, self.head_dim
         if self.split:
             return tuple(getattr(self, n)(x).unflatten(-1, (h, d)).transpose(1, 2)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
-from openamct.prune.nm import NMSparsifier, apply_mask
+from openamct.sparsity.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
 from openamct.quant.functions import graph_mode, ulq_qparams
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, host_flag
@@ -253,7 +253,7 @@ class CompressedLayer(WeightOp):
 
     def forward(self, x: Tensor) -> Tensor:
         observe = getattr(self.sparsity, "observe", None)
-        if observe is not None:  # a data-aware 2:4 mask reads the layer's input (prune/nm_aware.py)
+        if observe is not None:  # a data-aware 2:4 mask reads the layer's input (sparsity/nm_aware.py)
             observe(x)
         if self.act_quant is not None and not self.input_on_grid:
             x = self.act_quant(x)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # runtime.py calls this module's forward: imported where a fr
 from openamct.formats import INT8_WEIGHT
 from openamct.large.mask_bits import unpack_rows_reused
 from openamct.large.workspace import Workspace
-from openamct.prune.nm import apply_mask
+from openamct.sparsity.nm import apply_mask
 from openamct.quant.functions import SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 from openamct.record.mask_codec import unpack_rows
 

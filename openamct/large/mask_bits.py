@@ -3,7 +3,7 @@
 Why: ``np.unpackbits`` and the 2:4 comparisons return new tensors per call, a few MB per slice
 of rows; above glibc's mmap threshold each is a fresh mapping that page-faults again on every
 slice. The packed layout and the plain (allocating) functions are ``record/mask_codec.py``'s and
-``prune/nm_keep.py``'s; these give the same bits from buffers the caller owns (a
+``sparsity/nm_keep.py``'s; these give the same bits from buffers the caller owns (a
 ``LargeRuntime``'s, or one made for a single mask recompute).
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from openamct.large.workspace import Workspace
-from openamct.prune.nm_keep import _vote24
+from openamct.sparsity.nm_keep import _vote24
 from openamct.record.mask_codec import _elements_of_rows, packed_size, unpack_rows
 
 __all__ = ["unpack_rows_reused", "keep24_into"]

@@ -167,7 +167,7 @@ class LatencyTable:
 
 def _pruned_copy(work, space: SearchSpace):
     """The FP32 model with the channels ``create_prune_retrain_model`` would remove, removed."""
-    from openamct.prune.filter import apply_removal, score_and_select
+    from openamct.sparsity.filter import apply_removal, score_and_select
 
     model = copy.deepcopy(work)
     groups = []

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openamct.graph.capture import split_input_data
-from openamct.prune.group import PruneGroup
+from openamct.sparsity.group import PruneGroup
 from openamct.search.named import resolve
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What the search may decide: the coupled channel groups of filter pruning, each with the kept
 counts it may take, and the MACs of every layer as a function of those counts.
 
-The groups come from ``openamct.prune.dependency.analyse`` (the same analysis
+The groups come from ``openamct.sparsity.dependency.analyse`` (the same analysis
 ``create_prune_retrain_model`` runs), so a residual add or a concat is one decision, depthwise
 convs follow their input and blocked groups are never searched. MACs come from the shapes the
 captured graph saw, per sample.
@@ -20,9 +20,9 @@ from openamct.config.retrain_config_pb2 import AMCTRetrainConfig
 from openamct.config.source import build_plan
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
-from openamct.prune.dependency import analyse
-from openamct.prune.filter import kept_count, select_removed
-from openamct.prune.group import BlockedGroup, PruneGroup
+from openamct.sparsity.dependency import analyse
+from openamct.sparsity.filter import kept_count, select_removed
+from openamct.sparsity.group import BlockedGroup, PruneGroup
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 weights at create, replayed from the record at restore; channels are physically removed, so
 there is nothing left to do at export (the pruned model is simply smaller).
 
-The algorithm lives in ``openamct.prune``: ``dependency`` (which layers share channels),
+The algorithm lives in ``openamct.sparsity``: ``dependency`` (which layers share channels),
 ``filter`` (scoring and removal), ``filter_record`` (groups <-> record entries).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, f32, prune_kind
 from openamct.graph.layers import NEVER_CALLED
-from openamct.prune.group import BlockedGroup, PruneGroup
+from openamct.sparsity.group import BlockedGroup, PruneGroup
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
 from openamct.techniques.base import Context, Technique
 
@@ -38,7 +38,7 @@ class FilterPruning(Technique):
     name = "filter_prune"
     family = PRUNE
     # Pruned actively (a channel space of their own); other convs only follow their input as
-    # consumers (prune/dependency.py).
+    # consumers (sparsity/dependency.py).
     layer_types = ("Conv2d", "Linear", "Conv1D")
 
     def configured_by(self, block) -> bool:
@@ -81,10 +81,10 @@ class FilterPruning(Technique):
         return self.in_record(ctx.record) if ctx.restoring else bool(self.planned(ctx.plan))
 
     def plan(self, ctx: Context) -> FilterState:
-        from openamct.prune.consistency import consistent_groups
-        from openamct.prune.dependency import analyse
-        from openamct.prune.filter import score_and_select
-        from openamct.prune.filter_record import groups_to_records
+        from openamct.sparsity.consistency import consistent_groups
+        from openamct.sparsity.dependency import analyse
+        from openamct.sparsity.filter import score_and_select
+        from openamct.sparsity.filter_record import groups_to_records
 
         groups, blocked = analyse(ctx.graph, ctx.layers, ctx.plan, ctx.model)
         score_and_select(ctx.model, groups)
@@ -100,14 +100,14 @@ class FilterPruning(Technique):
         return FilterState(removing, list(record.prune_record), blocked)
 
     def from_record(self, ctx: Context) -> FilterState:
-        from openamct.prune.filter_record import groups_from_records
+        from openamct.sparsity.filter_record import groups_from_records
 
         entries = [pr for pr in ctx.record.prune_record if self.owns(pr)]
         return FilterState(groups_from_records(ctx.record, ctx.model), entries)
 
     def apply(self, ctx: Context, state: FilterState) -> None:
-        from openamct.prune.consistency import guard_unseen_layers
-        from openamct.prune.filter import apply_removal
+        from openamct.sparsity.consistency import guard_unseen_layers
+        from openamct.sparsity.filter import apply_removal
 
         apply_removal(ctx.model, state.groups)
         if state.groups:

@@ -7,7 +7,7 @@ over them, and where the two differ the checkpoint's win (see ``after_checkpoint
 needs nothing: the masks are folded into the exported weights.
 
 Large models' masks go to a mask file beside the record (``record/sidecar.py``). The layers
-hold their masks packed in the record's bit order (``prune/mask_bits.py``), so the mask file is
+hold their masks packed in the record's bit order (``sparsity/mask_bits.py``), so the mask file is
 their bytes; its content is kept per set of mask versions, so a record write after a scale
 change copies nothing and rewrites no mask.
 """
@@ -96,7 +96,7 @@ def check_nm_pattern(bits: torch.Tensor, shape: tuple[int, ...], axis: int, grou
     anything else (e.g. all ones) would be exported as if it were sparse. ValueError naming
     ``what``. Counted a slice of rows at a time when groups run along another axis: the whole
     mask unpacked and counted cost 3 bytes per weight (a 60M model's restore peaked on it)."""
-    from openamct.prune.nm import row_slices
+    from openamct.sparsity.nm import row_slices
 
     numel = math.prod(shape)
     if not numel:
@@ -168,7 +168,7 @@ class Sparsity24(Technique):
                               "give l1_selective_prune { n_out_of_m_type: M4N2 }")
 
     def eligible(self, info) -> str | None:
-        from openamct.prune.nm_layers import nm_eligible
+        from openamct.sparsity.nm_layers import nm_eligible
 
         ok, why_not = nm_eligible(info.module)
         return None if ok else f"2:4: {why_not}"
@@ -199,7 +199,7 @@ class Sparsity24(Technique):
             if name not in planned:
                 raise ValueError(f"record_file holds a 2:4 mask for layer {name!r}, which the config does not "
                                  "sparsify in this model (record from another model or config?)")
-        from openamct.prune.nm_layers import nm_axis, nm_groups
+        from openamct.sparsity.nm_layers import nm_axis, nm_groups
 
         for name, packed in state.masks.items():
             if packed is None:
@@ -213,8 +213,8 @@ class Sparsity24(Technique):
                              f"record_file: selective_prune {name!r} (selective_mask)")
 
     def apply(self, ctx: Context, state: SparsityState) -> None:
-        from openamct.prune.nm import NMSparsifier
-        from openamct.prune.nm_aware import DataAwareNMSparsifier
+        from openamct.sparsity.nm import NMSparsifier
+        from openamct.sparsity.nm_aware import DataAwareNMSparsifier
 
         for name, packed in state.masks.items():
             spec, module = ctx.plan.layers[name].specs[self.name], ctx.model.get_submodule(name)

@@ -28,7 +28,7 @@ import itertools
 import torch
 from torch import nn
 
-from openamct.prune.nm import NMSparsifier
+from openamct.sparsity.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.matmul import MatMulQuant
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, forget_host_flags, host_flag

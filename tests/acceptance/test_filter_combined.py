@@ -219,7 +219,7 @@ def test_restore_replays_the_record_and_never_scores(tmp_path, monkeypatch):
     def no_scoring(*args, **kwargs):
         raise AssertionError("restore re-scored channels instead of replaying the record")
 
-    monkeypatch.setattr("openamct.prune.filter.score_and_select", no_scoring)
+    monkeypatch.setattr("openamct.sparsity.filter.score_and_select", no_scoring)
     torch.manual_seed(123)  # different original weights would score differently
     restored = amct.restore_compressed_retrain_model(MODELS["Net001"](), x[:1], path, rec, ck, "state_dict")
     restored.eval()

@@ -32,7 +32,7 @@ def _section(text: str, heading: str) -> str:
 
 def _exported(name: str) -> bool:
     """A public function or class of ``openamct`` by that name (a subpackage of the same name,
-    such as ``openamct.prune``, the filter-pruning internals, is not one: it is not callable)."""
+    such as ``openamct.sparsity``, the filter-pruning internals, is not one: it is not callable)."""
     return name in openamct.__all__ or callable(getattr(openamct, name, None))
 
 

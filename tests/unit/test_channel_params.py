@@ -12,8 +12,8 @@ from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
 from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from openamct.prune.filter import apply_removal
-from openamct.prune.filter_record import groups_from_records, groups_to_records
+from openamct.sparsity.filter import apply_removal
+from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from tests.pruning import select_filters
@@ -157,7 +157,7 @@ def test_convnext_layer_norm_and_grn_follow_through_the_permute():
 
 def test_what_cannot_follow_blocks_and_warns_once_per_reason(caplog):
     model = BlockedNet().eval()
-    with caplog.at_level(logging.WARNING, logger="openamct.prune.dependency"):
+    with caplog.at_level(logging.WARNING, logger="openamct.sparsity.dependency"):
         groups, blocked = prune(model, torch.randn(2, 4, 8))
     at = {b.producers[0]: (b.at, b.reason) for b in blocked}
     assert at["fc1"][0] == "mix1" and "'w' (16, 16) is not one value per channel" in at["fc1"][1]

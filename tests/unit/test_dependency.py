@@ -13,8 +13,8 @@ from openamct.config.source import build_plan
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
-from openamct.prune.dependency import analyse
-from openamct.prune.index_mapping import (
+from openamct.sparsity.dependency import analyse
+from openamct.sparsity.index_mapping import (
     ChannelMap,
     Segment,
     align,
@@ -192,7 +192,7 @@ def test_transformer_block_prunes_mlp_hidden_only():
 
 
 def test_graph_output_blocks_and_is_logged(caplog):
-    with caplog.at_level(logging.WARNING, logger="openamct.prune.dependency"):
+    with caplog.at_level(logging.WARNING, logger="openamct.sparsity.dependency"):
         groups, blocked = run(ConvOutNet(), torch.randn(1, 3, 6, 6))
     assert groups == [] and len(blocked) == 1
     assert (blocked[0].producers, blocked[0].at) == (["conv"], "output")
@@ -252,7 +252,7 @@ def test_multi_producer_group_takes_min_ratio_and_any_alignment(caplog):
     layers = find_layers(model, graph)
     plan = Plan({"layer1.0": LayerPlan("layer1.0", "Conv2d", {"filter_prune": FilterSpec(0.5, False)}),
                  "layer2.0": LayerPlan("layer2.0", "Conv2d", {"filter_prune": FilterSpec(0.25, True)})})
-    with caplog.at_level(logging.INFO, logger="openamct.prune.dependency"):
+    with caplog.at_level(logging.INFO, logger="openamct.sparsity.dependency"):
         groups, _ = analyse(graph, layers, plan)
     (g,) = [g for g in groups if len(g.producers) == 2]
     assert (g.ratio, g.ascend_optimized, g.prune_group) == (0.25, True, 2)
@@ -306,7 +306,7 @@ def test_plain_conv_chain_gives_one_group_per_conv():
 
 
 def test_layers_that_never_ran_are_warned_about(caplog):
-    with caplog.at_level(logging.WARNING, logger="openamct.prune.dependency"):
+    with caplog.at_level(logging.WARNING, logger="openamct.sparsity.dependency"):
         groups, _ = run(UntraceableNet(), example_input("UntraceableNet"))  # takes the conv_pos branch
     assert [g.producer_names for g in groups] == [["conv_pos"]]
     assert "'conv_neg' never ran with input_data" in caplog.text

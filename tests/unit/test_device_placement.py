@@ -22,8 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import openamct as amct
 from openamct.export.export_layer import working_copy
 from openamct.export.writer import export_pair
-from openamct.prune.filter import apply_removal, group_scores
-from openamct.prune.nm import NMSparsifier
+from openamct.sparsity.filter import apply_removal, group_scores
+from openamct.sparsity.nm import NMSparsifier
 from openamct.techniques.sparsity24 import mask_changes
 from tests.unit.test_channel_params import ConvNextLike, TokenNet, prune
 from tests.unit.test_device_step import CNN, INT8, NM, _calibrated

@@ -83,7 +83,7 @@ def test_a_mask_not_computed_but_not_all_kept_is_copied_and_put_back(tmp_path):
 
 @pytest.mark.parametrize("shape", [(3, 4), (4, 8), (1, 4)])
 def test_all_kept_is_recognised_and_rewritten_with_a_partial_last_byte(shape):
-    from openamct.prune.nm import NMSparsifier
+    from openamct.sparsity.nm import NMSparsifier
 
     sp = NMSparsifier(shape, 1, 0)
     start = sp.mask_bits.clone()

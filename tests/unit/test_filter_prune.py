@@ -14,8 +14,8 @@ from torch import nn
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
-from openamct.prune.dependency import analyse
-from openamct.prune.filter import (
+from openamct.sparsity.dependency import analyse
+from openamct.sparsity.filter import (
     apply_removal,
     channel_scores,
     kept_count,

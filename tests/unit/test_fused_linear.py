@@ -11,7 +11,7 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.large import fused_linear
 from openamct.large.fused_linear import masked_quant_linear
 from openamct.large.runtime import LargeRuntime
-from openamct.prune.nm import NMSparsifier, apply_bits, apply_mask, compute_nm_mask, masked_ste
+from openamct.sparsity.nm import NMSparsifier, apply_bits, apply_mask, compute_nm_mask, masked_ste
 from openamct.quant.functions import arq_scales, arq_weight_fake_quant
 from openamct.quant.quantizers import WeightARQ
 from openamct.record.mask_codec import pack_bits

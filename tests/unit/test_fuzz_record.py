@@ -21,7 +21,7 @@ from hypothesis.control import current_build_context
 from torch import nn
 
 import openamct as amct
-from openamct.prune.filter_record import groups_from_records
+from openamct.sparsity.filter_record import groups_from_records
 from openamct.record.file_io import read_record, record_to_text
 from openamct.record.scale_offset_record_pb2 import AttrType, ScaleOffsetRecord
 from openamct.techniques.sparsity24 import masks_in_record

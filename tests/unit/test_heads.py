@@ -11,9 +11,9 @@ from torch import nn
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
-from openamct.prune.dependency import analyse
-from openamct.prune.filter import apply_removal, score_and_select
-from openamct.prune.filter_record import groups_from_records, groups_to_records
+from openamct.sparsity.dependency import analyse
+from openamct.sparsity.filter import apply_removal, score_and_select
+from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques.filter_prune import FilterSpec

@@ -45,7 +45,7 @@ LAYERS = [
     ("config",),
     ("record",),  # file formats only: the record, its attrs and values, the mask file
     ("quant",),
-    ("prune",),
+    ("sparsity",),  # filter pruning (channel dependency analysis) and N:M sparsity
     ("compressed",),
     ("techniques",),
     ("training",),  # beside the model while it trains: the record keeper, rollback

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from openamct.prune.nm import NMSparsifier, compute_nm_mask, nm_axis, nm_eligible, nm_groups
+from openamct.sparsity import nm_apply
+from openamct.sparsity.nm import NMSparsifier, compute_nm_mask, nm_axis, nm_eligible, nm_groups
 from openamct.record.mask_codec import pack_mask, unpack_mask
 
 
@@ -354,11 +355,11 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
     """check_nm_pattern reads the packed mask a slice of rows at a time (restore's memory on
     large models): it refuses what the whole-mask count refuses, with the same counts, wherever
     the excess lies (here: only in the last row)."""
-    from openamct.prune import nm
+    from openamct.sparsity import nm
     from openamct.record.mask_codec import pack_bits
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
 
-    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", slice_elems)
+    monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", slice_elems)
     torch.manual_seed(0)
     good = compute_nm_mask(torch.randn(shape), axis, groups=groups, as_bool=True)
     check_nm_pattern(pack_bits(good), shape, axis, groups, "m")
@@ -378,9 +379,9 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
          "convtranspose"],
 )
 def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer, monkeypatch):
-    import openamct.prune.nm as nm
+    import openamct.sparsity.nm as nm
 
-    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 16)  # several slices, the last one short
+    monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", 16)  # several slices, the last one short
     torch.manual_seed(3)
     sp = NMSparsifier.from_module(layer, update_freq=1).train()
     w = layer.weight.detach()
@@ -396,10 +397,10 @@ def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer,
 
 def test_hf_conv1d_masks_are_computed_in_slices_along_its_input_axis(monkeypatch):
     """GPT-2's Conv1D stores [in, out]: 2:4 groups run down dim 0, which the slices cut."""
-    import openamct.prune.nm as nm
+    import openamct.sparsity.nm as nm
 
     Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
-    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 40)
+    monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", 40)
     torch.manual_seed(4)
     layer = Conv1D(8, 22)  # weight [22, 8]: a row is a whole byte, and 40 elements are 5 rows
     sp = NMSparsifier.from_module(layer, update_freq=0).train()
@@ -414,11 +415,11 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
     """The recompute's 2:4 path (keep24_into, temporaries in reused buffers) against the plain
     reference, on ties, signed zeros, +-inf and NaN; twice in a row, so the second run reads
     buffers the first one filled."""
-    import openamct.prune.nm as nm
+    import openamct.sparsity.nm as nm
     from openamct.large.mask_bits import keep24_in_workspace, keep24_into
     from openamct.large.workspace import Workspace
 
-    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 24)  # several slices through the same buffers
+    monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", 24)  # several slices through the same buffers
     gen = torch.Generator().manual_seed(sum(shape) + axis)
     vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, float("inf"), float("-inf"), float("nan"), 0.5, -2.0])
     ws = Workspace()

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import openamct as amct
-from openamct.prune.nm import nm_keep_flags
-from openamct.prune.nm_aware import DataAwareNMSparsifier
+from openamct.sparsity.nm import nm_keep_flags
+from openamct.sparsity.nm_aware import DataAwareNMSparsifier
 
 
 def _model_and_data():

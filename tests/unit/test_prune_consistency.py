@@ -43,7 +43,7 @@ def test_a_group_the_forward_cannot_follow_stays_whole(tmp_path, caplog):
     cfg.write_text(FILTER)
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
-    with caplog.at_level(logging.WARNING, logger="openamct.prune.consistency"):
+    with caplog.at_level(logging.WARNING, logger="openamct.sparsity.consistency"):
         m = amct.create_compressed_retrain_model(FixedWidth(), x, str(cfg), str(tmp_path / "r.txt"))
     assert "group(s) left whole, because the model's forward fails once their channels are removed" in caplog.text
     assert "proj" in caplog.text

@@ -142,7 +142,7 @@ def test_a_user_sensitivity_and_search_alg_are_used(tmp_path):
 def _groups(model, x):
     from openamct.graph.capture import capture_graph
     from openamct.graph.layers import find_layers
-    from openamct.prune.dependency import analyse
+    from openamct.sparsity.dependency import analyse
     from openamct.search.space import search_plan
 
     graph = capture_graph(model, x)

@@ -104,6 +104,6 @@ def test_config_path_is_linear_and_imports_nothing_above_it():
     for rel in os.listdir(os.path.join(ROOT, "config")):
         if rel.endswith(".py"):
             above = {m for m in _imports(f"config/{rel}")
-                     if m.startswith(("openamct.techniques", "openamct.prune", "openamct.export"))}
+                     if m.startswith(("openamct.techniques", "openamct.sparsity", "openamct.export"))}
             assert not above, (rel, above)
     assert not {m for m in _imports("techniques/activation_quant.py") if m.startswith("openamct.export")}

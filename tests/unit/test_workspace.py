@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from openamct.large.workspace import Workspace
+from openamct.sparsity import nm_apply
 
 
 def test_take_reuses_one_buffer_per_name_and_dtype_and_grows_it():
@@ -38,9 +39,9 @@ def test_each_thread_has_its_own_buffers():
 def test_a_mask_recompute_runs_its_slices_in_one_workspace(monkeypatch):
     """A recompute of several slices computes each in the buffers of one workspace made for it
     (nm._keep_of's branch, ``NMSparsifier.keep24``), and a second recompute makes a new one (no module state)."""
-    import openamct.prune.nm as nm
+    import openamct.sparsity.nm as nm
     from openamct.large import mask_bits
-    from openamct.prune.nm import NMSparsifier
+    from openamct.sparsity.nm import NMSparsifier
 
     seen = []
     real = mask_bits.keep24_into
@@ -50,7 +51,7 @@ def test_a_mask_recompute_runs_its_slices_in_one_workspace(monkeypatch):
         return real(x, axis, ws)
 
     monkeypatch.setattr(mask_bits, "keep24_into", spy)
-    monkeypatch.setattr(nm, "_MASK_CHUNK_ELEMS", 64 * 8)  # several slices per recompute
+    monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", 64 * 8)  # several slices per recompute
     lin = nn.Linear(64, 32)
     sp = NMSparsifier.from_module(lin, update_freq=1).train()
     sp.keep24 = mask_bits.keep24_in_workspace  # the branch point, as build sets it on a CPU model

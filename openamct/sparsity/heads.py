@@ -22,8 +22,8 @@ import math
 from dataclasses import replace
 
 from openamct.graph.node import Node, TensorInfo
-from openamct.prune.channel_params import ATTRIBUTE, SIZE_ATTRS
-from openamct.prune.index_mapping import ChannelMap, Segment, align
+from openamct.sparsity.channel_params import ATTRIBUTE, SIZE_ATTRS
+from openamct.sparsity.index_mapping import ChannelMap, Segment, align
 
 MATMULS = ("matmul", "bmm")
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")

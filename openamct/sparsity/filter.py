@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from openamct.layer_types import BATCHNORM_TYPES, CONVS, TRANSPOSED_CONVS, features, layer_type_of
-from openamct.prune.channel_params import ATTRIBUTE, PARAMETER, owner_size, sliced, vector_dim
-from openamct.prune.group import PruneGroup
-from openamct.prune.head_bias import embedding_columns
+from openamct.sparsity.channel_params import ATTRIBUTE, PARAMETER, owner_size, sliced, vector_dim
+from openamct.sparsity.group import PruneGroup
+from openamct.sparsity.head_bias import embedding_columns
 
 logger = logging.getLogger(__name__)
 

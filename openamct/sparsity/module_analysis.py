@@ -12,8 +12,8 @@ from typing import Any
 from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorInfo
 from openamct.layer_types import FILTER_TYPES, features
-from openamct.prune.channel_ops import BATCHNORMS, CONSUMER_TYPES, PRODUCER_OP, UNARY_MODULES
-from openamct.prune.head_bias import EMBEDDING, head_embedding
+from openamct.sparsity.channel_ops import BATCHNORMS, CONSUMER_TYPES, PRODUCER_OP, UNARY_MODULES
+from openamct.sparsity.head_bias import EMBEDDING, head_embedding
 
 __all__ = ["ModulesMixin", "Source"]
 

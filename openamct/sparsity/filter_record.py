@@ -27,7 +27,7 @@ from openamct.layer_types import (
     is_depthwise,
     layer_type_of,
 )
-from openamct.prune.channel_params import (
+from openamct.sparsity.channel_params import (
     ATTRIBUTE,
     GROUP_NORM,
     LAYER_NORM,
@@ -36,9 +36,9 @@ from openamct.prune.channel_params import (
     RMS_NORM,
     owner_size,
 )
-from openamct.prune.filter import validate_removal
-from openamct.prune.group import FUNCTION_OP_TYPES, Member, PruneGroup
-from openamct.prune.head_bias import EMBEDDING
+from openamct.sparsity.filter import validate_removal
+from openamct.sparsity.group import FUNCTION_OP_TYPES, Member, PruneGroup
+from openamct.sparsity.head_bias import EMBEDDING
 from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
 from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from openamct.graph.node import Node, TensorInfo
-from openamct.prune.channel_params import ATTRIBUTE
-from openamct.prune.index_mapping import ChannelMap
+from openamct.sparsity.channel_params import ATTRIBUTE
+from openamct.sparsity.index_mapping import ChannelMap
 
 SPLIT_ATTRS = ("split_size",)
 FUSED_SPLIT_OPS = ("split", "chunk")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from openamct.graph.node import Node
-from openamct.prune.heads import HEAD_ATTRS
+from openamct.sparsity.heads import HEAD_ATTRS
 
 EMBEDDING = "Gather"  # record type (the ONNX op an Embedding exports to)
 

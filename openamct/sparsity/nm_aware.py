@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from openamct.layer_types import layer_type_of
-from openamct.prune.nm import NMSparsifier
+from openamct.sparsity.nm import NMSparsifier
 
 __all__ = ["DataAwareNMSparsifier"]
 

@@ -7,7 +7,7 @@ use of the channel axis blocks the groups involved.
 from __future__ import annotations
 
 from openamct.graph.node import Node, TensorArg, TensorInfo
-from openamct.prune.channel_ops import (
+from openamct.sparsity.channel_ops import (
     BINARY_FUNCTIONS,
     NO_CHANNELS,
     UNARY_FUNCTIONS,
@@ -15,9 +15,9 @@ from openamct.prune.channel_ops import (
     node_arg,
     origin,
 )
-from openamct.prune.channel_params import PARAMETER
-from openamct.prune.heads import MATMULS
-from openamct.prune.index_mapping import (
+from openamct.sparsity.channel_params import PARAMETER
+from openamct.sparsity.heads import MATMULS
+from openamct.sparsity.index_mapping import (
     AXIS_OPS,
     RESHAPE_OPS,
     SPLIT_OPS,
@@ -27,7 +27,7 @@ from openamct.prune.index_mapping import (
     dims_arg,
     follow,
 )
-from openamct.prune.owner_analysis import NORM_FUNCTIONS
+from openamct.sparsity.owner_analysis import NORM_FUNCTIONS
 
 __all__ = ["FunctionsMixin"]
 

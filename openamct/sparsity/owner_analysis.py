@@ -17,7 +17,7 @@ from torch import nn
 
 from openamct.graph.node import Node, TensorInfo
 from openamct.layer_types import BATCHNORM_TYPES
-from openamct.prune.channel_params import Owner, owner_of, parameter_owner
+from openamct.sparsity.channel_params import Owner, owner_of, parameter_owner
 
 # functional norms -> the module types whose forward may call them with their own parameters
 NORM_FUNCTIONS = {"batch_norm": BATCHNORM_TYPES, "group_norm": (nn.GroupNorm,), "layer_norm": (nn.LayerNorm,)}

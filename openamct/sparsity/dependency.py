@@ -26,13 +26,13 @@ from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo
 from openamct.graph.node import Node, TensorInfo
 from openamct.log_summary import warn_grouped
-from openamct.prune.function_analysis import FunctionsMixin
-from openamct.prune.fused_split import FusedSplitMixin
-from openamct.prune.group import BlockedGroup, Member, PruneGroup
-from openamct.prune.heads import HeadsMixin
-from openamct.prune.index_mapping import ChannelMap
-from openamct.prune.module_analysis import ModulesMixin, Source
-from openamct.prune.owner_analysis import OwnersMixin
+from openamct.sparsity.function_analysis import FunctionsMixin
+from openamct.sparsity.fused_split import FusedSplitMixin
+from openamct.sparsity.group import BlockedGroup, Member, PruneGroup
+from openamct.sparsity.heads import HeadsMixin
+from openamct.sparsity.index_mapping import ChannelMap
+from openamct.sparsity.module_analysis import ModulesMixin, Source
+from openamct.sparsity.owner_analysis import OwnersMixin
 
 logger = logging.getLogger(__name__)
 

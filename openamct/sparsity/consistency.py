@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from openamct.prune.filter import apply_removal, removal_edits
-from openamct.prune.group import PruneGroup
+from openamct.sparsity.filter import apply_removal, removal_edits
+from openamct.sparsity.group import PruneGroup
 
 logger = logging.getLogger(__name__)
 
