@@ -22,10 +22,10 @@ from torch import Tensor, nn
 from openamct.compressed.ops import WeightOp, as_layer_class, op_kind, public_attrs
 from openamct.compressed.parts import LayerParts
 from openamct.layer_types import features, layer_type_of
-from openamct.sparsity.nm import NMSparsifier, apply_mask
 from openamct.quant.bn_fold import bn_bias, bn_scale, check_foldable, scale_out_channels
 from openamct.quant.functions import graph_mode, ulq_qparams
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, host_flag
+from openamct.sparsity.nm import NMSparsifier, apply_mask
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from openamct.compressed.ops import WeightOp, as_layer_class, public_attrs
 from openamct.export.element_types import storage_dtype
 from openamct.formats import INT8_ACT, INT8_WEIGHT, QuantFormat
 from openamct.module_tree import set_module
-from openamct.sparsity.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.functions import to_channel_major
 from openamct.quant.matmul import swap_matmul_quantizers
 from openamct.quant.residual import swap_hook_quantizers
+from openamct.sparsity.nm import NMSparsifier
 from openamct.techniques.base import ExportParts, Technique
 from openamct.training.decisions import KEY as DECISIONS_KEY
 

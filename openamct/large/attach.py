@@ -12,8 +12,8 @@ from openamct.large import text_reader, text_writer
 from openamct.large.chunked_load import load_in_parts
 from openamct.large.mask_bits import keep24_in_workspace
 from openamct.large.runtime import attach_runtime, large_path_wanted
-from openamct.sparsity.nm import NMSparsifier, apply_bits
 from openamct.record.file_io import FastText
+from openamct.sparsity.nm import NMSparsifier, apply_bits
 
 __all__ = ["RECORD_TEXT", "at_build", "streamed_save", "part_loader"]
 

@@ -33,9 +33,9 @@ if TYPE_CHECKING:  # runtime.py calls this module's forward: imported where a fr
 from openamct.formats import INT8_WEIGHT
 from openamct.large.mask_bits import unpack_rows_reused
 from openamct.large.workspace import Workspace
-from openamct.sparsity.nm import apply_mask
 from openamct.quant.functions import SCALE_EPS, _absmax_per_channel, _bshape, graph_mode
 from openamct.record.mask_codec import unpack_rows
+from openamct.sparsity.nm import apply_mask
 
 # The buffers live in the model's ``LargeRuntime`` (runtime.py), passed in as ``rt``: ``rt.scratch``
 # (one effective weight per thread, as large as the largest layer, and the slices) and ``rt.grads``

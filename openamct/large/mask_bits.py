@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from openamct.large.workspace import Workspace
-from openamct.sparsity.nm_keep import _vote24
 from openamct.record.mask_codec import _elements_of_rows, packed_size, unpack_rows
+from openamct.sparsity.nm_keep import _vote24
 
 __all__ = ["unpack_rows_reused", "keep24_into"]
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from openamct.graph.capture import split_input_data
-from openamct.sparsity.group import PruneGroup
 from openamct.search.named import resolve
+from openamct.sparsity.group import PruneGroup
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,8 @@ from openamct.layer_types import (
     is_depthwise,
     layer_type_of,
 )
+from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
+from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
 from openamct.sparsity.channel_params import (
     ATTRIBUTE,
     GROUP_NORM,
@@ -39,8 +41,6 @@ from openamct.sparsity.channel_params import (
 from openamct.sparsity.filter import validate_removal
 from openamct.sparsity.group import FUNCTION_OP_TYPES, Member, PruneGroup
 from openamct.sparsity.head_bias import EMBEDDING
-from openamct.record.attrs import add_int, add_ints, add_str, get_int, get_ints, get_str
-from openamct.record.scale_offset_record_pb2 import PruneNode, PruneRecord, ScaleOffsetRecord
 
 logger = logging.getLogger(__name__)
 

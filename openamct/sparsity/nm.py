@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from openamct.quant.functions import graph_mode
+from openamct.record.mask_codec import pack_bits, packed_size, unpack_bits, write_bits
 from openamct.sparsity.nm_apply import apply_bits, apply_mask, masked_ste, row_slices
 from openamct.sparsity.nm_keep import _check_int, compute_nm_mask, nm_keep_flags
 from openamct.sparsity.nm_layers import nm_axis, nm_eligible, nm_groups
-from openamct.quant.functions import graph_mode
-from openamct.record.mask_codec import pack_bits, packed_size, unpack_bits, write_bits
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from openamct.config.errors import ConfigError, locate
 from openamct.config.rules import PRUNE, f32, prune_kind
 from openamct.graph.layers import NEVER_CALLED
-from openamct.sparsity.group import BlockedGroup, PruneGroup
 from openamct.record.scale_offset_record_pb2 import PruneRecord, ScaleOffsetRecord
+from openamct.sparsity.group import BlockedGroup, PruneGroup
 from openamct.techniques.base import Context, Technique
 
 logger = logging.getLogger(__name__)

@@ -28,11 +28,11 @@ import itertools
 import torch
 from torch import nn
 
-from openamct.sparsity.nm import NMSparsifier
 from openamct.quant.activation import QuantizedActivation
 from openamct.quant.matmul import MatMulQuant
 from openamct.quant.quantizers import ActULQ, RangeObserver, WeightULQ, forget_host_flags, host_flag
 from openamct.quant.residual import OutputQuantHook
+from openamct.sparsity.nm import NMSparsifier
 
 __all__ = ["ForwardSnapshot", "SteadyCopy", "stateful_modules"]
 

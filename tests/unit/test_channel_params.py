@@ -12,10 +12,10 @@ from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
 from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from openamct.sparsity.filter import apply_removal
-from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.sparsity.filter import apply_removal
+from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from tests.pruning import select_filters
 
 # -- models -------------------------------------------------------------------------------------

@@ -12,12 +12,12 @@ from torch import nn
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
-from openamct.sparsity.dependency import analyse
-from openamct.sparsity.filter import apply_removal, score_and_select
-from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.file_io import read_record, write_record
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.sparsity.dependency import analyse
+from openamct.sparsity.filter import apply_removal, score_and_select
+from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from openamct.techniques.filter_prune import FilterSpec
 from tests.conftest import COMPAT
 from tests.models import INPUT_SHAPES, MobileNetV2Tiny, UNetTiny

@@ -11,10 +11,10 @@ from openamct.compressed.layer import CompressedLayer
 from openamct.large import fused_linear
 from openamct.large.fused_linear import masked_quant_linear
 from openamct.large.runtime import LargeRuntime
-from openamct.sparsity.nm import NMSparsifier, apply_bits, apply_mask, compute_nm_mask, masked_ste
 from openamct.quant.functions import arq_scales, arq_weight_fake_quant
 from openamct.quant.quantizers import WeightARQ
 from openamct.record.mask_codec import pack_bits
+from openamct.sparsity.nm import NMSparsifier, apply_bits, apply_mask, compute_nm_mask, masked_ste
 
 RT = LargeRuntime()  # the buffers these tests' layers and calls share (a model's keeper owns one)
 

@@ -21,9 +21,9 @@ from hypothesis.control import current_build_context
 from torch import nn
 
 import openamct as amct
-from openamct.sparsity.filter_record import groups_from_records
 from openamct.record.file_io import read_record, record_to_text
 from openamct.record.scale_offset_record_pb2 import AttrType, ScaleOffsetRecord
+from openamct.sparsity.filter_record import groups_from_records
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.conftest import COMPAT
 from tests.hang import no_hang

@@ -8,10 +8,10 @@ import copy
 import torch
 from torch import nn
 
-from openamct.sparsity.filter import apply_removal
-from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.sparsity.filter import apply_removal
+from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from tests.unit.test_heads import heads_group, prune
 from tests.zoo.families import build
 

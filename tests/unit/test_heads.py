@@ -11,11 +11,11 @@ from torch import nn
 from openamct.config.specs import LayerPlan, Plan
 from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
+from openamct.record import attrs
+from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.sparsity.dependency import analyse
 from openamct.sparsity.filter import apply_removal, score_and_select
 from openamct.sparsity.filter_record import groups_from_records, groups_to_records
-from openamct.record import attrs
-from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.techniques.filter_prune import FilterSpec
 from tests.zoo.families import build
 

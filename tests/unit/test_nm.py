@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
+from openamct.record.mask_codec import pack_mask, unpack_mask
 from openamct.sparsity import nm_apply
 from openamct.sparsity.nm import NMSparsifier, compute_nm_mask, nm_axis, nm_eligible, nm_groups
-from openamct.record.mask_codec import pack_mask, unpack_mask
 
 
 def _groups_along(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -355,7 +355,6 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
     """check_nm_pattern reads the packed mask a slice of rows at a time (restore's memory on
     large models): it refuses what the whole-mask count refuses, with the same counts, wherever
     the excess lies (here: only in the last row)."""
-    from openamct.sparsity import nm
     from openamct.record.mask_codec import pack_bits
     from openamct.techniques.sparsity24 import check_nm_pattern, excess_over_2_of_4
 
@@ -379,7 +378,6 @@ def test_pattern_check_of_packed_bits_in_row_slices(shape, axis, groups, slice_e
          "convtranspose"],
 )
 def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer, monkeypatch):
-    import openamct.sparsity.nm as nm
 
     monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", 16)  # several slices, the last one short
     torch.manual_seed(3)
@@ -397,7 +395,6 @@ def test_a_recompute_in_slices_gives_the_whole_mask_and_counts_one_change(layer,
 
 def test_hf_conv1d_masks_are_computed_in_slices_along_its_input_axis(monkeypatch):
     """GPT-2's Conv1D stores [in, out]: 2:4 groups run down dim 0, which the slices cut."""
-    import openamct.sparsity.nm as nm
 
     Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
     monkeypatch.setattr(nm_apply, "_MASK_CHUNK_ELEMS", 40)
@@ -415,7 +412,6 @@ def test_a_recompute_in_workspace_buffers_matches_the_reference_on_hard_values(d
     """The recompute's 2:4 path (keep24_into, temporaries in reused buffers) against the plain
     reference, on ties, signed zeros, +-inf and NaN; twice in a row, so the second run reads
     buffers the first one filled."""
-    import openamct.sparsity.nm as nm
     from openamct.large.mask_bits import keep24_in_workspace, keep24_into
     from openamct.large.workspace import Workspace
 

@@ -7,9 +7,9 @@ import torch
 
 import openamct as amct
 from openamct.compressed.layer import CompressedLayer
-from openamct.sparsity.nm import compute_nm_mask
 from openamct.record.file_io import read_record
 from openamct.record.mask_codec import pack_bits
+from openamct.sparsity.nm import compute_nm_mask
 from openamct.techniques.sparsity24 import masks_in_record
 from tests.models import MODELS, example_input
 from tests.training import sgd_steps

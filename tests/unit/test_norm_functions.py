@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from openamct.sparsity.filter import apply_removal
 from openamct.sparsity.filter_record import groups_from_records, groups_to_records
-from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
 from tests.pruning import select_filters
 
 X = torch.randn(2, 3, 8, 8)

@@ -142,8 +142,8 @@ def test_a_user_sensitivity_and_search_alg_are_used(tmp_path):
 def _groups(model, x):
     from openamct.graph.capture import capture_graph
     from openamct.graph.layers import find_layers
-    from openamct.sparsity.dependency import analyse
     from openamct.search.space import search_plan
+    from openamct.sparsity.dependency import analyse
 
     graph = capture_graph(model, x)
     layers = find_layers(model, graph)
