@@ -16,7 +16,7 @@ Gradient coefficients. With ``t = clamp(x) / s`` (code units), ``sat = sign(clam
 (+1 below the range, -1 above, 0 in it) and the three sums
 ``v = [sum((t - round(t)) * g), sum(sat * g), sum(|sat| * g)]``, upstream's clip gradients are
 ``[dcmax, dcmin] = coef @ v`` with ``E = [round(cmax/s) - cmax/s, round(cmin/s) - cmin/s]``:
-``coef = B + E @ M`` (constants below), affine in E, so one ``addmm`` gives every row. (Outside
+``coef = B + E @ M`` (constants below), affine in E, so three ops give every row. (Outside
 the range ``t`` sits on a level, so its first term is zero there up to the rounding of
 ``y_hi / s``: a few 1e-5 of a code, a relative 1e-7 of that element's own term.)
 """
@@ -86,13 +86,16 @@ def compute_rows(clips: Tensor, fixed: Tensor, fmt: QuantFormat, consts: tuple[T
     ``fixed`` [Q, 2] bool (the second column: clip_min pinned at 0), both on one device. The
     arithmetic of ``functions.ulq_qparams`` (which export uses), written once for all rows:
     cmax >= 0 >= cmin, cmin = 0 where fixed, s = max((cmax - cmin) / levels, eps),
-    zp = clamp(round(qmin - cmin / s), qmin, qmax). Sixteen ops whatever Q."""
+    zp = clamp(round(qmin - cmin / s), qmin, qmax). Under twenty ops whatever Q."""
     low, high, qrange, b, m = consts
     with torch.no_grad(), no_autocast(clips):
         c = torch.clamp(clips.detach().float(), min=low, max=high).masked_fill_(fixed, 0.0)
         scale = torch.sub(c[:, 0], c[:, 1]).div_(fmt.levels).clamp_(min=SCALE_EPS)
         r = torch.div(c, scale.unsqueeze(1))  # [cmax / s, cmin / s]
-        coef = torch.addmm(b, torch.round(r).sub_(r), m).view(-1, 2, 3)
+        # coef = b + E @ m without a matrix product, whose rounding depends on Q (the kernel BLAS
+        # picks): a quantizer must get the same bits in a table as on its own.
+        e = torch.round(r).sub_(r)
+        coef = torch.mul(e.unsqueeze(2), m).sum(1).add_(b).view(-1, 2, 3)
         zp = torch.sub(fmt.qmin, r[:, 1]).round_().clamp_(fmt.qmin, fmt.qmax)
         lohi = torch.sub(qrange, zp.unsqueeze(1))  # [qmin - zp, qmax - zp]
         return {"scale": scale, "inv": torch.reciprocal(scale), "lo": lohi[:, 0], "hi": lohi[:, 1],
