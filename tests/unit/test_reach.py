@@ -104,3 +104,23 @@ def test_families_already_reaching_keep_reaching(family):
     model, inputs, groups, _ = _groups(family)
     assert any(g.removed for g in groups)
     assert consistent_groups(model, groups, inputs) == groups
+
+
+def test_a_softmax_module_along_the_channels_blocks_and_across_them_follows():
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.a, self.softmax, self.b = nn.Conv1d(4, 8, 1), nn.Softmax(dim=dim), nn.Conv1d(8, 2, 1)
+
+        def forward(self, x):
+            return self.b(self.softmax(self.a(x)))
+
+    x = torch.randn(2, 4, 6)
+    groups, _ = select_filters(Net(dim=-1).eval(), x, ratio=0.5, types=None)
+    assert [g.producer_names for g in groups if g.removed] == [["a"]]
+    groups, blocked = select_filters(Net(dim=1).eval(), x, ratio=0.5, types=None)
+    assert not [g for g in groups if "a" in g.producer_names]
+    assert any(b.producers == ["a"] and "works along the channel axis" in b.reason for b in blocked)
