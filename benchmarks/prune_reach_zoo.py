@@ -43,10 +43,12 @@ def reach(build, folder: str) -> tuple[float, list[str]]:
     stops, log = _Stops(), logging.getLogger("openamct")
     log.addHandler(stops)
     log.setLevel(logging.WARNING)
+    log.propagate = False  # the stops are printed once, on the family's line
     try:
         c = amct.create_compressed_retrain_model(model, inputs, cfg, os.path.join(folder, "record.txt"))
     finally:
         log.removeHandler(stops)
+        log.propagate = True
     return removed_share(weights, c), stops.lines
 
 
@@ -55,21 +57,31 @@ def main(argv: list[str]) -> None:
     if zoo == "timm":
         from tests.zoo.timm_families import MODELS as families
         from tests.zoo.timm_families import build
+    elif zoo == "hf":
+        from benchmarks.reach_families import FAMILIES as families
+        from benchmarks.reach_families import build
     else:
         from tests.zoo.torchvision_families import BUILDERS as families
         from tests.zoo.torchvision_families import build
     names = argv[1:] or list(families)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)
+    if zoo == "hf":
+        print(f"{'family':24s} {'default':>7s} {'eager':>7s}  where groups stop (default attention)")
     for name in names:
-        with tempfile.TemporaryDirectory() as folder:
-            try:
-                share, stops = reach(lambda n=name: build(n), folder)
-            except Exception as e:  # a family that fails create is reported, the others still run
-                print(f"{name:24s}  error: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-        first = " || ".join(stops).replace("\n", " | ")[:300]
-        print(f"{name:24s} {share * 100:5.1f} %  {first}", flush=True)
+        shares, first = [], ""
+        for attention in (None, "eager") if zoo == "hf" else (None,):
+            with tempfile.TemporaryDirectory() as folder:
+                try:
+                    args = (name,) if attention is None else (name, attention)
+                    share, stops = reach(lambda a=args: build(*a), folder)
+                except Exception as e:  # a family that fails create is reported, the others still run
+                    shares.append(f"error: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+            shares.append(f"{share * 100:5.1f} %")
+            if attention is None:
+                first = " || ".join(stops).replace("\n", " | ")[:300]
+        print(f"{name:24s} {' '.join(f'{s:>7s}' for s in shares)}  {first}", flush=True)
 
 
 if __name__ == "__main__":

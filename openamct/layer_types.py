@@ -52,7 +52,7 @@ class LayerType:
 
 
 LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
-    LayerType("Conv1d", nn.Conv1d, "Conv", 1, False, nm=False, filter="consumer"),
+    LayerType("Conv1d", nn.Conv1d, "Conv", 1, False, nm=False, filter="active"),
     LayerType("Conv2d", nn.Conv2d, "Conv", 2, False, nm=True, filter="active"),
     LayerType("Conv3d", nn.Conv3d, "Conv", 3, False, nm=False, filter=""),
     LayerType("ConvTranspose1d", nn.ConvTranspose1d, "ConvTranspose", 1, True, nm=False,

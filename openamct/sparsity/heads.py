@@ -37,10 +37,14 @@ class HeadsMixin:
         root = self.find(gid)
         cls = {g for g in range(len(self.sources)) if self.find(g) == root}
         for g in cls:
-            if self.folds[g]:
-                return "attention heads of a grouped conv's channels"
             if self.sources[g].channels % factor:
                 return f"{self.sources[g].channels} channels do not split into units of {factor}"
+            # a grouped conv (SqueezeBERT's Q/K/V) removes as many units from each of its blocks:
+            # a block must then hold whole heads
+            blocks = math.lcm(1, *self.folds[g])
+            if (self.sources[g].channels // factor) % blocks:
+                return (f"{self.sources[g].channels} channels in {blocks} grouped-conv blocks do not split "
+                        f"into whole units of {factor} per block")
         for g in cls:
             self.sources[g].channels //= factor
             self.unit[g] *= factor
@@ -119,10 +123,37 @@ class HeadsMixin:
             self.block(ins, node.name, f"{node.op} uses the channels as a matrix dimension, or reads heads "
                                        "only some of Q, K and V carry")
             return
+        rep = 1
+        if node.kwargs.get("enable_gqa") is True:
+            rep = self.gqa_heads(qkv)
+            if isinstance(rep, str):
+                self.block(ins, node.name, f"{node.op} with enable_gqa: {rep}")
+                return
         self.reconcile([t.key for t in qkv])
         out_map = self.couple(node, list(qkv), len(node.outputs[0].shape))
+        for t in {t.key: t for t in qkv[1:]}.values() if rep > 1 else ():  # K and V keep their own layout for any other reader
+            cmap = self.maps[t.key]
+            self.maps[t.key] = replace(cmap, segments=tuple(replace(x, repeat=x.repeat // rep) for x in cmap.segments))
         if out_map is not None:
             self.maps[node.outputs[0].key] = out_map
+
+    def gqa_heads(self, qkv: list[TensorInfo]) -> int | str:
+        """``enable_gqa=True`` (Hugging Face's SDPA path for Llama, Qwen2, Mistral with no mask):
+        query head i reads KV head i // n_rep, which is ``repeat_interleave`` of K and V's heads,
+        so K and V are followed as if expanded n_rep times (the eager path's ``repeat_kv``), and
+        ``reconcile`` then makes a KV head and its n_rep query heads one unit. n_rep, or why not."""
+        q, k, v = qkv
+        a = self.maps[q.key].axis
+        if self.maps[k.key].axis != a or self.maps[v.key].axis != a:
+            return "Q, K and V carry their heads on different axes"
+        hq, hk = q.shape[a], k.shape[a]
+        if hk == hq:
+            return 1
+        if hk == 0 or hq % hk or v.shape[a] != hk:
+            return f"{hq} query heads do not split into groups over {hk} key/value heads"
+        for t in {k.key: k, v.key: v}.values():
+            self.maps[t.key] = self.maps[t.key].expanded(hq // hk)
+        return hq // hk
 
     def size_attribute(self, node: Node, axis: int, cmap: ChannelMap) -> str:
         """A merge reshape that writes the merged size out (MobileViT's ``view(..., self.all_head_size)``)
@@ -133,14 +164,23 @@ class HeadsMixin:
         reshape, sized from the tensor's own shape) is followed. '' or why."""
         vals = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
         out = node.outputs[0].shape
-        if (node.op not in ("view", "reshape") or len(vals) != len(out) or vals[axis] != out[axis]
-                or axis != len(out) - 1):
+        if node.op not in ("view", "reshape") or len(vals) != len(out) or vals[axis] != out[axis]:
             return ""
         owner = self.modules.get(node.scope)
-        for attr in SIZE_ATTRS:
+        for attr in SIZE_ATTRS:  # (SqueezeBERT merges onto the inner axis with all_head_size)
             if owner is not None and type(getattr(owner, attr, None)) is int and getattr(owner, attr) == out[axis]:
                 self.add_members(cmap, f"{node.scope}.{attr}", ATTRIBUTE, "passive")
                 return ""
+        if axis != len(out) - 1:
+            return ""
+        # GPT-Neo's merge: view(..., self.num_heads * self.head_dim), computed from the head-count
+        # attribute its split already made follow. A literal width that happens to be equal
+        # passes here, and then fails consistency's pruned forward, which keeps the group whole.
+        heads = {f"{node.scope}.{h}" for h in HEAD_ATTRS}
+        if any(m.op_type == ATTRIBUTE and m.name in heads
+               for g in cmap.gids() for x in range(len(self.sources)) if self.find(x) == self.find(g)
+               for _, m in self.members[x]):
+            return ""
         return (f"{node.op} writes the merged channel size {out[axis]} out, not -1, and its module has no "
                 f"{'/'.join(SIZE_ATTRS)} = {out[axis]} to update: the size would not follow pruning")
 

@@ -57,6 +57,14 @@ class ModulesMixin:
                 self.passthrough(node, ins[0], cmap)
         elif node.op in UNARY_MODULES and len(ins) == 1 and node.inputs[0] is ins[0]:
             self.passthrough(node, ins[0], self.maps[ins[0].key])
+        elif node.op in ("Softmax", "LogSoftmax") and len(ins) == 1 and node.inputs[0] is ins[0]:
+            # SqueezeBERT's nn.Softmax(dim=-1) over attention scores tracked on the head axis
+            dim = getattr(self.modules.get(node.name), "dim", None)
+            cmap = self.maps[ins[0].key]
+            if type(dim) is int and dim % len(ins[0].shape) != cmap.axis:
+                self.passthrough(node, ins[0], cmap)
+            else:
+                self.block(ins, node.name, f"{node.op} {node.name!r} works along the channel axis")
         elif node.name in self.modules and not (node.op in ("Flatten", "Unflatten") and len(ins) == 1):
             self.owner(node, ins)
         elif node.op in ("Flatten", "Unflatten") and len(ins) == 1:

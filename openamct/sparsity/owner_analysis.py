@@ -95,14 +95,22 @@ class OwnersMixin:
 
     def per_channel_param(self, node: Node, t: TensorInfo, ndim: int, axis: int, channels: int) -> TensorInfo | None:
         """The model parameter with one value per channel (LayerScale) that element-wise op
-        ``node`` reads as ``t``: ``t`` itself, or the ``(C,)`` parameter ``t`` is a view or
-        reshape of (timm's ConvNeXt: ``x.mul(gamma.reshape(1, -1, 1, 1))``); None if neither."""
+        ``node`` reads as ``t``: ``t`` itself, or the ``(C,)`` parameter ``t`` is a chain of views,
+        reshapes or unsqueezes of, each read once (timm's ConvNeXt: ``x.mul(gamma.reshape(1, -1,
+        1, 1))``; Hugging Face PoolFormer: ``scale.unsqueeze(-1).unsqueeze(-1) * x``); None if
+        neither. Each step only adds size-1 dims around the channels, so slicing the parameter
+        slices what the op reads."""
         if node.op not in ("mul", "add", "sub", "div") or not parameter_owner(t.shape, ndim, axis, channels):
             return None
         if t.producer is None:
             return t if t.param_name is not None else None
-        src = t.producer.inputs[0] if t.producer.kind == "function" and len(t.producer.inputs) == 1 else None
-        if src is None or t.producer.op not in ("view", "reshape") or src.producer is not None \
-                or src.param_name is None or src.shape != (channels,) or len(t.consumers) != 1:
+        src = t
+        while src.producer is not None:
+            p = src.producer
+            if (p.kind != "function" or len(p.inputs) != 1 or p.op not in ("view", "reshape", "unsqueeze")
+                    or len(src.consumers) != 1):
+                return None
+            src = p.inputs[0]
+        if src.param_name is None or src.shape != (channels,):
             return None
         return src

@@ -39,7 +39,7 @@ class FilterPruning(Technique):
     family = PRUNE
     # Pruned actively (a channel space of their own); other convs only follow their input as
     # consumers (sparsity/dependency.py).
-    layer_types = ("Conv2d", "Linear", "Conv1D")
+    layer_types = ("Conv1d", "Conv2d", "Linear", "Conv1D")
 
     def configured_by(self, block) -> bool:
         return block.HasField("prune_config") and block.prune_config.WhichOneof("prune_algo") == "filter_pruner"

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.sparsity.consistency import consistent_groups
 from openamct.sparsity.filter import apply_removal
 from openamct.sparsity.filter_record import groups_from_records, groups_to_records
 from tests.pruning import select_filters
@@ -77,11 +78,24 @@ def test_fused_qkv_loses_whole_heads_from_q_k_and_v(fused):
     assert (fresh.attn.num_heads, fresh.attn.attn_dim, fresh.attn.qkv.out_features) == (2, 16, 48)
 
 
-def test_merge_with_the_input_width_blocks():  # metaformer's Attention: reshape(B, N, C)
-    groups, blocked = prune(Net(merge="C").eval())
+def test_merge_with_the_input_width_stays_whole(caplog):  # metaformer's Attention: reshape(B, N, C)
+    # C (the input's width) equals num_heads * head_dim as GPT-Neo's merge does, so the graph cannot
+    # tell them apart: the analysis proposes the heads, and the pruned forward refuses them
+    model = Net(merge="C").eval()
+    groups, _ = prune(model)
+    heads = [g for g in groups if g.producer_names[0] == "attn.qkv"]
+    assert heads and heads[0].removed
+    before = [p.detach().clone() for p in model.parameters()]
+    assert consistent_groups(model, heads, TOKENS) == []
+    assert "RuntimeError" in caplog.text and "attn.qkv" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert model.attn.num_heads == 4
+
+
+def test_merge_with_a_literal_width_and_no_head_attribute_blocks():
+    groups, blocked = prune(Net(merge="C", heads_attr=False).eval())
     assert not [g for g in groups if g.producer_names[0] == "attn.qkv"]
-    (b,) = [b for b in blocked if b.producers[0] == "attn.qkv"]
-    assert "writes the merged channel size 32 out" in b.reason
+    assert [b for b in blocked if b.producers[0] == "attn.qkv"]
 
 
 def test_head_count_without_an_attribute_blocks():

@@ -13,6 +13,7 @@ from openamct.graph.capture import capture_graph
 from openamct.graph.layers import find_layers
 from openamct.record import attrs
 from openamct.record.scale_offset_record_pb2 import ScaleOffsetRecord
+from openamct.sparsity.consistency import consistent_groups
 from openamct.sparsity.dependency import analyse
 from openamct.sparsity.filter import apply_removal, score_and_select
 from openamct.sparsity.filter_record import groups_from_records, groups_to_records
@@ -125,8 +126,29 @@ def test_head_count_and_merged_size_attributes_follow_and_replay():
         assert torch.equal(fresh(x), model(x))
 
 
-def test_a_merged_size_written_out_without_attribute_is_refused():
-    _, blocked = prune(Block(literal_merge=True).eval(), torch.randn(2, 5, 32))
+def test_a_merged_size_written_out_is_proved_by_the_pruned_forward(caplog):
+    # reshape(b, n, 32) with num_heads following: 32 may be num_heads * head_dim (GPT-Neo's
+    # merge) or a constant; the graph cannot tell, the pruned forward can (a constant fails it)
+    model, x = Block(literal_merge=True).eval(), torch.randn(2, 5, 32)
+    groups, _ = prune(model, x, ratio=0.5)
+    heads = [g for g in groups if "attn.q" in g.producer_names]
+    assert heads and heads[0].removed
+    assert consistent_groups(model, heads, x) == [] and "attn.q" in caplog.text
+    assert model.attn.num_heads == 4 and model.attn.q.out_features == 32
+
+
+def test_a_merged_size_without_a_following_head_count_is_refused():
+    # the head count is -1 (nothing follows it) and the merge writes 32 with no attribute holding it
+    class NoHeadAttr(Attention):
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = (p(x).view(b, n, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+            ctx = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+            return self.o(ctx.transpose(1, 2).reshape(b, n, 32))
+
+    model = Block().eval()
+    model.attn = NoHeadAttr(literal_merge=True)
+    _, blocked = prune(model.eval(), torch.randn(2, 5, 32))
     b = next(b for b in blocked if "attn.q" in b.producers)
     assert b.at.startswith("reshape_") and "writes the merged channel size 32 out, not -1" in b.reason
 
