@@ -26,7 +26,6 @@ import tempfile
 import time
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
@@ -35,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import openamct as amct  # noqa: E402
 from benchmarks.deploy_speed import bench  # noqa: E402
-from benchmarks.single_op_qat import graph_flow_config, to_single_op  # noqa: E402
+from benchmarks.single_op_qat import graph_flow_config, kernels, to_single_op  # noqa: E402
 from tests.zoo.torchvision_ops import vision_modules  # noqa: E402
 
 
@@ -79,14 +78,6 @@ def compare(path: str, model: nn.Module, x: torch.Tensor) -> tuple[float, float]
         want = torch.cat([model(xb) for xb in x.split(16)]).numpy()
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     return rel, float((got.argmax(1) == want.argmax(1)).mean())
-
-
-def kernels(path: str, folder: str) -> list[str]:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = os.path.join(folder, "opt.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    return sorted(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
 
 
 def main() -> None:

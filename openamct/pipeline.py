@@ -26,6 +26,7 @@ from openamct.compressed.recurrent import RecurrentLayer
 from openamct.compressed.wrap import is_wrapped, wrap_layer
 from openamct.config.source import load_plan
 from openamct.config.specs import Plan
+from openamct.export.fp32_reference import unfused_attention
 from openamct.graph.capture import capture_graph
 from openamct.graph.graph import Graph
 from openamct.graph.layers import LayerInfo, find_layers
@@ -291,7 +292,7 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
             from openamct.large.attach import streamed_save
 
             streamed = streamed_save(model)
-        with _mha_fastpath(False):
+        with unfused_attention():
             export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
                         techniques=keeper.techniques, streamed_save=streamed)
     except torch.onnx.OnnxExporterError as exc:
@@ -301,16 +302,6 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         _remove_empty(made)
         raise
     return fake_path, deploy_path
-
-
-@contextlib.contextmanager
-def _mha_fastpath(enabled: bool):
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(enabled)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
 
 
 def _make_folders(folder: str) -> list[str]:

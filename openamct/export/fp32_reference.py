@@ -28,7 +28,7 @@ from openamct.graph.capture import split_input_data
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_after_save", "fp32_path", "after_save", "write_fp32"]
+__all__ = ["after_save", "check_after_save", "fp32_path", "unfused_attention", "write_fp32"]
 
 
 def fp32_path(fake_path: str) -> str:
@@ -56,9 +56,9 @@ def check_after_save(fp32_model: Any, report: Any) -> nn.Module | None:
 
 
 @contextlib.contextmanager
-def _unfused_attention():
+def unfused_attention():
     """nn.MultiheadAttention's fused eval path has no ONNX export; the unfused path computes
-    the same function (as save does for the compressed model)."""
+    the same function. Every export of a model runs in this context."""
     before = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
@@ -72,7 +72,7 @@ def write_fp32(model: nn.Module, path: str, input_data: Any, save_id: str | None
     """Export ``model`` (an eval-mode CPU copy; ``model`` is left as it is) to ``path`` with
     the names and dynamic axes of the pair, stamped with the pair's save id."""
     work = copy.deepcopy(model).cpu().eval()
-    with _unfused_attention():
+    with unfused_attention():
         proto = export_onnx(work, inputs_on_cpu(input_data), input_names, output_names, dynamic_axes,
                             work_dir=os.path.dirname(os.path.abspath(path)))
     del work
