@@ -1,0 +1,1 @@
+"""Upstream's one-call structured pruning family (``amct.prune``): in place, from calibration data."""
