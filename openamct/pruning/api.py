@@ -54,7 +54,7 @@ def prune(model, config=None, data=None, batch_adapter=None, tolerance=None, eva
           finetune_fn=None, quant_fn=None, report: PruneReport | None = None) -> None:
     """Structured pruning of ``model`` in place (see docs/prune.md). Returns None; pass
     ``report=PruneReport()`` to read what was done."""
-    from openamct.pruning import search
+    from openamct.pruning import allocation, search
 
     check_model(model)
     if batch_adapter is not None:
@@ -80,10 +80,10 @@ def prune(model, config=None, data=None, batch_adapter=None, tolerance=None, eva
     elif size_budget is not None:
         search.size_budget_prune(model, cfg, batches, size_budget, ratio_grid=ratio_grid, report=out, **search_args)
     elif cfg.menu_domain:
-        search.menu_prune(model, cfg, batches, report=out, **search_args)
+        allocation.menu_prune(model, cfg, batches, report=out, **search_args)
     elif cfg.allocation and cfg.allocation["strategy"] == "sensitivity":
         _reject(ratio_grid=ratio_grid, finetune_fn=finetune_fn, quant_fn=quant_fn)
-        search.sensitivity_prune(model, cfg, batches, report=out, evaluator=evaluator,
+        allocation.sensitivity_prune(model, cfg, batches, report=out, evaluator=evaluator,
                                  eval_iterations=eval_iterations, eval_data=eval_data)
     else:
         _reject(evaluator=evaluator, eval_data=eval_data, ratio_grid=ratio_grid, finetune_fn=finetune_fn,
