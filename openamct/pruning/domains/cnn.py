@@ -91,14 +91,18 @@ class CnnDomain:
         self._scores: dict[str, torch.Tensor] = {}  # the latest scores per unit: grouped units rebalance by them
         self._found: weakref.WeakKeyDictionary[nn.Module, dict[str, PruneGroup]] = weakref.WeakKeyDictionary()
         self._last: dict[str, PruneGroup] = {}  # the groups of the latest units() call
+        # layer -> the BatchNorm that alone reads its output, per model (and of the latest call)
+        self._bn: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+        self._last_bn: dict[str, str] = {}
         self._changed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # applied since their units() call
 
     # -- units ---------------------------------------------------------------------------------
     def units(self, model: nn.Module, example_inputs) -> list[Unit]:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        found = find_units(model, example_inputs, self.upstream_rules)
+        found, bn_after = find_units(model, example_inputs, self.upstream_rules)
         self._found[model] = self._last = {u.name: g for u, g in found}
+        self._bn[model] = self._last_bn = bn_after
         self._changed.discard(model)
         logger.info("cnn domain: %d unit(s), %d channels", len(found), sum(u.size for u, _ in found))
         return [u for u, _ in found]
@@ -277,8 +281,9 @@ class CnnDomain:
             return
         validate_removal(model, chosen)
         consumers = list(dict.fromkeys(m.name for g in chosen for m in g.consumers))
+        sinks = self._sinks(model, consumers)
         if recovery == "bias":
-            self._fold(model, chosen, consumers, data)
+            self._fold(model, chosen, consumers, data, sinks)
         elif recovery == "ls":
             data = joined(data)
             order = self._run_order(model, consumers, data[0])
@@ -290,12 +295,23 @@ class CnnDomain:
         if recovery == "ls":
             with _evaluating(model):
                 solved = reconstruct_consumers(model, order, data, targets, _out_keep(model, chosen, order),
-                                               float(ridge))
+                                               float(ridge), sinks)
             logger.info("cnn domain: reconstructed %d consumer(s)", solved)
         logger.info("cnn domain: removed %d channel(s) from %d unit(s)",
                     sum(len(g.removed) for g in chosen), len(chosen))
 
-    def _fold(self, model: nn.Module, chosen: list[PruneGroup], consumers: list[str], data: list) -> None:
+    def _sinks(self, model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+        """Consumers without a bias whose output a BatchNorm alone reads: a bias the recovery
+        finds is subtracted from that BatchNorm's running mean instead (the same function in
+        eval mode, and no new parameter the pruned architecture would lack)."""
+        bn_after = self._bn.get(model, self._last_bn)
+        modules = dict(model.named_modules())
+        return {n: modules[bn_after[n]] for n in names
+                if getattr(modules[n], "bias", 0) is None and bn_after.get(n) in modules
+                and getattr(modules[bn_after[n]], "running_mean", None) is not None}
+
+    def _fold(self, model: nn.Module, chosen: list[PruneGroup], consumers: list[str], data: list,
+              sinks: dict[str, nn.Module]) -> None:
         """recovery='bias': each consumer's cut inputs, at their mean, move into its bias."""
         modules = dict(model.named_modules())
         with _evaluating(model):
@@ -305,10 +321,11 @@ class CnnDomain:
             for m in g.consumers:
                 cut.setdefault(m.name, set()).update(m.positions(g.removed))
         for name, positions in cut.items():
-            if getattr(modules[name], "bias", None) is None or name not in means:
-                self.warnings.append(f"cnn: {name}: recovery='bias' needs a consumer bias; its inputs are cut only")
+            if getattr(modules[name], "bias", None) is None and name not in sinks or name not in means:
+                self.warnings.append(f"cnn: {name}: recovery='bias' needs a consumer bias or a BatchNorm after it; "
+                                     "its inputs are cut only")
                 continue
-            fold_means(modules[name], sorted(positions), means[name])
+            fold_means(modules[name], sorted(positions), means[name], sinks.get(name))
 
     @staticmethod
     def _run_order(model: nn.Module, names: list[str], x) -> list[str]:

@@ -83,8 +83,11 @@ def _params_per_channel(modules: dict[str, nn.Module], params: dict[str, nn.Para
     return total
 
 
-def find_units(model: nn.Module, example_inputs, upstream_rules: bool) -> list[tuple[Unit, PruneGroup]]:
-    """Every prunable coupled group of ``model`` run on ``example_inputs`` as (unit, group)."""
+def find_units(model: nn.Module, example_inputs, upstream_rules: bool,
+               ) -> tuple[list[tuple[Unit, PruneGroup]], dict[str, str]]:
+    """Every prunable coupled group of ``model`` run on ``example_inputs`` as (unit, group), and
+    each conv / linear layer whose output goes to a BatchNorm alone, with that BatchNorm (where
+    reconstruction puts the bias of a layer that has none)."""
     graph = capture_graph(model, example_inputs)
     layers = find_layers(model, graph)
     technique = FilterPruning()
@@ -102,4 +105,5 @@ def find_units(model: nn.Module, example_inputs, upstream_rules: bool) -> list[t
         unit = Unit(g.producers[0].name, g.channels, _params_per_channel(modules, params, g), members,
                     {"prune_group": g.prune_group, "producers": tuple(g.producer_names)})
         found.append((unit, g))
-    return found
+    bn_after = {name: bn for name in layers if (bn := graph.single_bn_after(name)) is not None}
+    return found, bn_after

@@ -149,9 +149,10 @@ def _capture(model: nn.Module, m: nn.Module, data: list, index: list[torch.Tenso
 
 
 def _solve_layer(m: nn.Module, rows: list[torch.Tensor], ys: list[torch.Tensor], out_keep: torch.Tensor | None,
-                 ridge: float) -> None:
+                 ridge: float, sink: nn.Module | None = None) -> None:
     """Write the least-squares weights (and bias) of consumer ``m`` from its input rows and its
-    original outputs at the same positions, one pair per batch."""
+    original outputs at the same positions, one pair per batch. ``sink``: the BatchNorm after a
+    consumer without a bias, which takes the bias into its running mean."""
     if out_keep is not None:
         ys = [y.index_select(2, out_keep.to(y.device)) for y in ys]
     ys = [y.to(torch.float64) for y in ys]
@@ -165,21 +166,29 @@ def _solve_layer(m: nn.Module, rows: list[torch.Tensor], ys: list[torch.Tensor],
         a = [r[:, :, b * cols:(b + 1) * cols].reshape(-1, cols) for r in rows]
         y = [v[:, :, b * cout_g:(b + 1) * cout_g].reshape(-1, cout_g) for v in ys]
         w0 = flat[b * cout_g:(b + 1) * cout_g].T
-        if m.bias is not None:  # a ones column carries the bias: the removed channels' mean moves there
+        if m.bias is not None or sink is not None:  # a ones column: the removed channels' mean moves there
             a = [torch.cat([v, torch.ones_like(v[:, :1])], 1) for v in a]
-            w0 = torch.cat([w0, m.bias.detach()[b * cout_g:(b + 1) * cout_g].to(torch.float64)[None]], 0)
+            b0 = m.bias.detach()[b * cout_g:(b + 1) * cout_g] if m.bias is not None else w0.new_zeros(cout_g)
+            w0 = torch.cat([w0, b0.to(torch.float64)[None]], 0)
         sol = _solve(a, y, w0, ridge)
         new_w.append(sol[:cols].T)
-        if m.bias is not None:
+        if sol.shape[0] > cols:
             new_b.append(sol[cols])
     with torch.no_grad():
         m.weight.copy_(torch.cat(new_w, 0).reshape(w.shape).to(w.dtype))
         if m.bias is not None:
             m.bias.copy_(torch.cat(new_b, 0).to(m.bias.dtype))
+        elif sink is not None:
+            _into_running_mean(sink, torch.cat(new_b, 0))
+
+
+def _into_running_mean(bn: nn.Module, bias: torch.Tensor) -> None:
+    """BatchNorm(y + b) in eval mode is BatchNorm(y) with running_mean − b."""
+    bn.running_mean.sub_(bias.to(bn.running_mean.device, bn.running_mean.dtype))
 
 
 def _inline(model: nn.Module, names: list[str], x, t: Targets, out_keep: dict[str, torch.Tensor],
-            ridge: float) -> None:
+            ridge: float, sinks: dict[str, nn.Module]) -> None:
     """One calibration batch: a single forward in which each consumer is solved in its own
     pre-hook, before it runs, so the layers after it already see its new output."""
     modules = dict(model.named_modules())
@@ -187,7 +196,7 @@ def _inline(model: nn.Module, names: list[str], x, t: Targets, out_keep: dict[st
     def solve(name: str):
         def pre(mod, args):
             r = _rows(mod, args[0].detach()).index_select(1, t.index[name][0]).to(torch.float64)
-            _solve_layer(mod, [r], t.outputs[name], out_keep.get(name), ridge)
+            _solve_layer(mod, [r], t.outputs[name], out_keep.get(name), ridge, sinks.get(name))
         return pre
 
     handles = [modules[n].register_forward_pre_hook(solve(n)) for n in names]
@@ -200,9 +209,10 @@ def _inline(model: nn.Module, names: list[str], x, t: Targets, out_keep: dict[st
 
 
 def reconstruct(model: nn.Module, order: list[str], data: list, t: Targets,
-                out_keep: dict[str, torch.Tensor], ridge: float) -> int:
+                out_keep: dict[str, torch.Tensor], ridge: float, sinks: dict[str, nn.Module]) -> int:
     """Solve every consumer in ``order`` (execution order) on the pruned ``model``; ``out_keep``
-    gives the kept output rows of the consumers that also lost outputs. Returns how many were solved."""
+    gives the kept output rows of the consumers that also lost outputs, ``sinks`` the BatchNorm
+    that takes the bias of a consumer without one. Returns how many were solved."""
     modules = dict(model.named_modules())
     names, skipped = [], []
     for name in order:
@@ -214,13 +224,13 @@ def reconstruct(model: nn.Module, order: list[str], data: list, t: Targets,
                                   "for Conv1d, Conv2d and Linear)"))
     warn_grouped(logger, "reconstruct: layer(s) not reconstructed", skipped)
     if len(data) == 1:
-        _inline(model, names, data[0], t, out_keep, ridge)
+        _inline(model, names, data[0], t, out_keep, ridge, sinks)
         return len(names)
     for name in names:  # several batches: one pass per consumer, each stopped at that consumer
         rows = _capture(model, modules[name], data, t.index[name])
         if len(rows) != len(data):
             raise RuntimeError(f"reconstruct: layer {name!r} did not run on every calibration batch")
-        _solve_layer(modules[name], rows, t.outputs[name], out_keep.get(name), ridge)
+        _solve_layer(modules[name], rows, t.outputs[name], out_keep.get(name), ridge, sinks.get(name))
     return len(names)
 
 
@@ -257,10 +267,11 @@ def input_means(model: nn.Module, names: list[str], data: list) -> dict[str, tor
     return {n: s / n_rows for n, (n_rows, s) in sums.items()}
 
 
-def fold_means(m: nn.Module, cut: list[int], mean: torch.Tensor) -> None:
+def fold_means(m: nn.Module, cut: list[int], mean: torch.Tensor, sink: nn.Module | None = None) -> None:
     """``recovery='bias'``: the cut input positions of consumer ``m`` become constants at their
-    calibration mean, added to its bias (before the columns are removed). A conv's border,
-    where padding reads zeros, is treated like its interior."""
+    calibration mean, added to its bias (before the columns are removed), or subtracted from
+    the running mean of ``sink``, the BatchNorm after a consumer without a bias. A conv's
+    border, where padding reads zeros, is treated like its interior."""
     w = m.weight.detach().to(torch.float64)
     groups = getattr(m, "groups", 1)
     cin_g, cout_g = w.shape[1], w.shape[0] // groups
@@ -271,4 +282,7 @@ def fold_means(m: nn.Module, cut: list[int], mean: torch.Tensor) -> None:
         col = w[rows, local].reshape(w[rows].shape[0], -1).sum(1)
         delta[rows] += col * float(mean[p])
     with torch.no_grad():
-        m.bias.add_(delta.to(m.bias.dtype))
+        if m.bias is not None:
+            m.bias.add_(delta.to(m.bias.dtype))
+        else:
+            _into_running_mean(sink, delta)
