@@ -134,9 +134,11 @@ def test_masked_trial_equals_apply_and_leaves_the_model_as_it_was(name):
     assert not torch.allclose(trial, before)
     weights = {n: p.detach().clone() for n, p in net.named_parameters()}
     n_before = _params(net)
+    exact = domain.params_removed(net, keep)
+    assert _params(net) == n_before and exact > 0
     domain.apply(net, keep, data, reconstruct=False)
     assert torch.allclose(net(x), trial, atol=1e-5)
-    assert _params(net) < n_before
+    assert _params(net) == n_before - exact
     # in place, and the kept channels' weights are the old ones
     kept = keep[units[0].name].nonzero().flatten()
     name0 = units[0].name
@@ -292,3 +294,19 @@ def test_recovery_options_of_the_reconstruct_method(name, recovery):
         err = sum(float((g - w).norm()) for g, w in zip(got, want))
         assert err < sum(float((c - w).norm()) for c, w in zip(cut, want))
         assert not domain.warnings
+
+
+@pytest.mark.parametrize("preset", ["CNN_VARIANCE_PRUNE_CFG", "CNN_RECONSTRUCT_PRUNE_CFG"])
+@pytest.mark.parametrize("mode", [{"tolerance": 0.2}, {"size_budget": 0.6}])
+def test_the_family_searches_run_on_the_cnn_domain(preset, mode):
+    import openamct as amct
+    from openamct import pruning
+
+    net, data = _net("residual"), _data(4)
+    conv = net.stem[0]
+    report = amct.PruneReport()
+    amct.prune(net, getattr(pruning, preset), data=data, report=report, **mode)
+    assert net.stem[0] is conv and report.chosen_ratio is not None
+    assert report.params_after == _params(net) < report.params_before
+    with torch.no_grad():
+        assert net(data[0]).shape == (16, 10)

@@ -40,7 +40,7 @@ from openamct.pruning.domains.cnn_reconstruct import (
     record_targets,
 )
 from openamct.pruning.domains.cnn_reconstruct import reconstruct as reconstruct_consumers
-from openamct.sparsity.filter import apply_removal, validate_removal
+from openamct.sparsity.filter import apply_removal, removal_edits, validate_removal
 from openamct.sparsity.group import PruneGroup
 
 logger = logging.getLogger(__name__)
@@ -265,6 +265,17 @@ class CnnDomain:
         finally:
             for h in handles:
                 h.remove()
+
+    def params_removed(self, model: nn.Module, keep: dict[str, torch.Tensor]) -> int:
+        """The parameters ``apply(model, keep, ...)`` removes, exactly: where a conv loses inputs
+        to one unit and outputs to another, ``Unit.params_per_channel`` counts the weights at
+        both cuts twice, this counts them once. Changes nothing."""
+        removed = 0
+        for module, (tensors, _) in removal_edits(model, self._removed(model, keep)):
+            for attr, t in tensors.items():
+                if isinstance(getattr(module, attr), nn.Parameter):
+                    removed += getattr(module, attr).numel() - t.numel()
+        return removed
 
     # -- apply ---------------------------------------------------------------------------------
     def apply(self, model: nn.Module, keep: dict[str, torch.Tensor], data: list, *, reconstruct: bool) -> None:
