@@ -1,5 +1,6 @@
 """The CNN pruning domain's reach on torchvision ResNet-18 and ResNet-50 (random weights): the
-share of parameters and MACs a cut of ``r`` of every unit's channels removes, with upstream's
+share of parameters and MACs a cut of ``r`` of every unit's channels removes (and on MobileNetV2
+and DenseNet-121, for depthwise chains and concats), with upstream's
 rules (``CnnDomain(upstream_rules=True)``: no conv feeding a residual add, no concat consumer,
 no grouped or depthwise conv) against openamct's coupled groups, side by side in one run.
 
@@ -7,9 +8,10 @@ Every criterion cuts ``round(r · size)`` channels of each unit, so the shares d
 it: the script cuts by ``variance`` (the ``CNN_VARIANCE_PRUNE_CFG`` / ``CNN_RECONSTRUCT_PRUNE_CFG``
 ranking), ``l1`` and ``l2`` and checks that all three remove the same count. MACs are counted on
 a 64x64 input (every conv's share is the same at 224x224; only the classifier's weight differs).
-About a minute on two CPU cores.
+About a minute and a half for the two ResNets on two shared CPU cores (the default);
+MobileNetV2 and DenseNet-121 take a few minutes more.
 
-    python benchmarks/prune_cnn_reach.py [--ratios 0.3 0.5]
+    python benchmarks/prune_cnn_reach.py [--ratios 0.3 0.5] [--models resnet18 resnet50 mobilenet_v2 densenet121]
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import copy
 import math
 import os
 import sys
-import time
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from tests.zoo.torchvision_ops import vision_modules  # noqa: E402
 
 SIZE = 64
 CRITERIA = ("variance", "l1", "l2")
+# ResNets: residual adds; MobileNetV2: depthwise chains and residual adds; DenseNet: concats
+MODELS = ("resnet18", "resnet50", "mobilenet_v2", "densenet121")
 
 
 def macs(model: nn.Module, x: torch.Tensor) -> int:
@@ -67,44 +70,48 @@ def keep_masks(units, scores, ratio: float) -> dict[str, torch.Tensor]:
     return out
 
 
-def measure(model: nn.Module, upstream: bool, ratio: float, data: list[torch.Tensor]) -> dict:
+def measure(model: nn.Module, upstream: bool, ratios: list[float], data: list[torch.Tensor]) -> dict[float, dict]:
+    """Per ratio: units, the share of conv channels in them, and the parameters / MACs removed."""
     params0, macs0 = sum(p.numel() for p in model.parameters()), macs(model, data[0])
     conv_channels = sum(m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d))
-    removed = {}
-    for criterion in CRITERIA:
-        net = copy.deepcopy(model)
-        domain = CnnDomain(upstream_rules=upstream)
-        start = time.perf_counter()
-        units = domain.units(net, data[0])
-        keep = keep_masks(units, domain.scores(net, units, data, criterion), ratio)
-        domain.apply(net, keep, data, reconstruct=False)
-        seconds = time.perf_counter() - start
-        removed[criterion] = (params0 - sum(p.numel() for p in net.parameters()), macs0 - macs(net, data[0]))
-    if len(set(removed.values())) != 1:
-        raise AssertionError(f"criteria removed different counts: {removed}")
-    p, m = removed["variance"]
-    return {"units": len(units), "channels": sum(u.size for u in units) / conv_channels,
-            "params": p / params0, "macs": m / macs0, "seconds": seconds}
+    domain = CnnDomain(upstream_rules=upstream)
+    units = domain.units(model, data[0])  # once: apply works on copies of the model it ran on
+    scores = {c: domain.scores(model, units, data, c) for c in CRITERIA}
+    out = {}
+    for r in ratios:
+        removed = {}
+        for criterion in CRITERIA:
+            net = copy.deepcopy(model)
+            domain.apply(net, keep_masks(units, scores[criterion], r), data, reconstruct=False)
+            removed[criterion] = (params0 - sum(p.numel() for p in net.parameters()), macs0 - macs(net, data[0]))
+        if len(set(removed.values())) != 1:
+            raise AssertionError(f"criteria removed different counts: {removed}")
+        p, m = removed["variance"]
+        out[r] = {"units": len(units), "channels": sum(u.size for u in units) / conv_channels,
+                  "params": p / params0, "macs": m / macs0}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5])
+    parser.add_argument("--models", nargs="+", default=list(MODELS[:2]), choices=MODELS)
     args = parser.parse_args()
     torchvision, _ = vision_modules()
     torch.manual_seed(0)
     print("| model | r | units (upstream / openamct) | conv channels in units | params removed upstream "
           "| params removed openamct | ratio | MACs removed upstream | MACs removed openamct | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in ("resnet18", "resnet50"):
+    for name in args.models:
         model = getattr(torchvision.models, name)()
         model.train()
         with torch.no_grad():  # BatchNorm statistics of an input distribution, for the variance criterion
             model(torch.randn(8, 3, SIZE, SIZE))
         model.eval()
         data = [torch.randn(4, 3, SIZE, SIZE) for _ in range(2)]
+        ups, ourss = measure(model, True, args.ratios, data), measure(model, False, args.ratios, data)
         for r in args.ratios:
-            up, ours = measure(model, True, r, data), measure(model, False, r, data)
+            up, ours = ups[r], ourss[r]
             print(f"| {name} | {r:g} | {up['units']} / {ours['units']} | {up['channels']:.0%} / {ours['channels']:.0%} "
                   f"| {up['params']:.1%} | {ours['params']:.1%} | {ours['params'] / up['params']:.2f}x "
                   f"| {up['macs']:.1%} | {ours['macs']:.1%} | {ours['macs'] / up['macs']:.2f}x |", flush=True)
