@@ -114,5 +114,7 @@ def apply(model: nn.Module, targets: list[Target], keeps: list[dict], data: list
             if kept < u.size:
                 report.record_layer_sparsity(u.name, sizes[u.name], after)
                 report.add("prune", t.spec.name, u.name, f"{u.size} -> {kept}")
+        for unit, choice in getattr(t.domain, "choices", []):
+            report.add("recover", t.spec.name, unit, choice)
         for w in getattr(t.domain, "warnings", []):
             report.add_warning(w)

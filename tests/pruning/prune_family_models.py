@@ -29,7 +29,8 @@ def tiny(kind: str, **over):
            "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
                          dict(num_experts=8, moe_intermediate_size=24, shared_expert_intermediate_size=48,
                               intermediate_size=64)),
-           "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM, dict(num_experts=8, intermediate_size=24))}[kind]
+           "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM, dict(num_experts=8, intermediate_size=24, eos_token_id=2,
+                                                                pad_token_id=1))}[kind]
     cfg = moe[0](num_key_value_heads=2, num_experts_per_tok=2, experts_implementation="eager", **moe[2], **common,
                  **over)
     model = moe[1](cfg).eval()
