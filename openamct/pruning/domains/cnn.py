@@ -14,7 +14,13 @@ concat consumers and depthwise chains are pruned, where upstream's CNN domain sk
   without reconstruction. Per-channel norms that mix channels (LayerNorm, GroupNorm with
   several channels a group) are the exception: removal renormalises over the kept channels.
 - ``apply``: ``openamct.sparsity.filter.apply_removal`` cuts every member in place; with
-  ``reconstruct=True`` the consumers are then solved by least squares (``cnn_reconstruct``).
+  ``reconstruct=True`` the consumers are then solved by least squares (``cnn_reconstruct``),
+  or, with ``options["recovery"] == "bias"``, only the cut channels' calibration mean is folded
+  into each consumer's bias. A consumer without a bias hands that bias to the BatchNorm that
+  alone reads it (its running mean), so the pruned architecture gains no parameter.
+- A unit that passes a grouped conv (``Unit.extra["prune_group"]`` > 1) must lose as many
+  channels in each block: a keep mask that does not is evened out by the latest scores, the
+  same way in ``masked``, ``apply`` and ``params_removed``.
 
 The domain remembers the units it found per model (weakly: a model that is dropped is
 forgotten), since ``masked`` and ``apply`` receive only the keep masks.
