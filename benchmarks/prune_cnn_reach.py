@@ -9,9 +9,11 @@ it: the script cuts by ``variance`` (the ``CNN_VARIANCE_PRUNE_CFG`` / ``CNN_RECO
 ranking), ``l1`` and ``l2`` and checks that all three remove the same count. MACs are counted on
 a 64x64 input (every conv's share is the same at 224x224; only the classifier's weight differs).
 About a minute and a half for the two ResNets on two shared CPU cores (the default);
-MobileNetV2 and DenseNet-121 take a few minutes more.
+MobileNetV2 and DenseNet-121 take a few minutes more. ``--quality`` adds, for the first model,
+the held-out output error of each recovery (random weights: a check that recovery helps, not an
+accuracy figure).
 
-    python benchmarks/prune_cnn_reach.py [--ratios 0.3 0.5] [--models resnet18 resnet50 mobilenet_v2 densenet121]
+    python benchmarks/prune_cnn_reach.py [--ratios 0.3 0.5] [--models resnet18 resnet50 mobilenet_v2 densenet121] [--quality]
 """
 
 from __future__ import annotations
@@ -92,16 +94,44 @@ def measure(model: nn.Module, upstream: bool, ratios: list[float], data: list[to
     return out
 
 
+def quality(model: nn.Module, ratios: list[float], data: list[torch.Tensor], held_out: list[torch.Tensor]) -> None:
+    """Held-out relative output error against the unpruned model, openamct's groups, for each
+    criterion and recovery (none: the masked trial's function; bias: the cut channels' mean folded
+    into the consumer's bias or the BatchNorm after it; ls: least squares)."""
+    with torch.no_grad():
+        want = [model(x) for x in held_out]
+    domain = CnnDomain()
+    units = domain.units(model, data[0])
+    print("\n| r | criterion | error, no recovery | error, bias | error, least squares | least squares / none |")
+    print("|---|---|---|---|---|---|")
+    for r in ratios:
+        for criterion in ("variance", "l2"):
+            keep = keep_masks(units, domain.scores(model, units, data, criterion), r)
+            errs = []
+            for recovery in ("none", "bias", "ls"):
+                net = copy.deepcopy(model)
+                domain.options = {"recovery": recovery}
+                domain.apply(net, keep, data, reconstruct=recovery != "none")
+                with torch.no_grad():
+                    errs.append(sum(float((net(x) - w).norm() / w.norm()) for x, w in zip(held_out, want))
+                                / len(want))
+            print(f"| {r:g} | {criterion} | {errs[0]:.3f} | {errs[1]:.3f} | {errs[2]:.3f} | {errs[2] / errs[0]:.2f} |",
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5])
     parser.add_argument("--models", nargs="+", default=list(MODELS[:2]), choices=MODELS)
+    parser.add_argument("--quality", action="store_true",
+                        help="also the held-out output error of each recovery on the first model")
     args = parser.parse_args()
     torchvision, _ = vision_modules()
     torch.manual_seed(0)
     print("| model | r | units (upstream / openamct) | conv channels in units | params removed upstream "
           "| params removed openamct | ratio | MACs removed upstream | MACs removed openamct | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    first = None
     for name in args.models:
         model = getattr(torchvision.models, name)()
         model.train()
@@ -115,6 +145,10 @@ def main() -> None:
             print(f"| {name} | {r:g} | {up['units']} / {ours['units']} | {up['channels']:.0%} / {ours['channels']:.0%} "
                   f"| {up['params']:.1%} | {ours['params']:.1%} | {ours['params'] / up['params']:.2f}x "
                   f"| {up['macs']:.1%} | {ours['macs']:.1%} | {ours['macs'] / up['macs']:.2f}x |", flush=True)
+        first = first if name != args.models[0] else model
+    if args.quality:
+        quality(first, args.ratios, [torch.randn(8, 3, SIZE, SIZE) for _ in range(4)],
+                [torch.randn(8, 3, SIZE, SIZE) for _ in range(2)])
     print(f"\nshares identical for criteria {', '.join(CRITERIA)} (checked); input {SIZE}x{SIZE}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
 
