@@ -27,6 +27,13 @@ from openamct.distill import (
     distill,
     save_distill_model,
 )
+from openamct.pruning import (
+    PruneReport,
+    accuracy_based_auto_prune,
+    prune,
+    prune_diagnose,
+    prune_finetune,
+)
 from openamct.tensor_decompose import auto_decomposition, decompose_network
 
 __version__ = "0.1.0"
@@ -38,6 +45,7 @@ __all__ = [
     "save_quant_retrain_model", "auto_channel_prune_search", "auto_decomposition", "decompose_network",
     "convert_qat_model", "dynamic_quantize_lstm",
     "create_distill_config", "create_distill_model", "distill", "save_distill_model", "DistillSampleBase",
+    "prune", "PruneReport", "prune_finetune", "prune_diagnose", "accuracy_based_auto_prune",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -58,6 +58,7 @@ LAYERS = [
     ("distill",),  # upstream's distillation family: the group-wise loop over pipeline's create/save
     ("search",),
     ("common",),  # upstream's module paths of the search's base classes (amct_pytorch.common...)
+    ("pruning",),  # upstream's one-call amct.prune family: domains over sparsity's graph, search's latency model
     ("api",),
     ("openamct",),
     ("inspection", "record_summary"),
