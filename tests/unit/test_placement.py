@@ -146,3 +146,56 @@ def test_unknown_placement_is_refused_before_any_work(tmp_path, bad, error):
     with pytest.raises(error, match="placement"):
         _saved(tmp_path, placement=bad)
     assert not os.path.exists(tmp_path / "m_deploy_model.onnx")
+
+
+class _Residual(nn.Module):
+    """A residual block with a depthwise conv: the Q/DQ pairs around a float block are shared
+    with an Add and with INT8 neighbours."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.pw = nn.Conv2d(16, 16, 1)
+        self.relu = nn.ReLU()
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = self.relu(self.stem(x))
+        y = self.relu(y + self.pw(self.relu(self.dw(y))))
+        return self.head(y.mean((2, 3)))
+
+
+def test_a_float_depthwise_conv_inside_a_residual_block(tmp_path):
+    cfg, rec = str(tmp_path / "q.cfg"), str(tmp_path / "rec.txt")
+    with open(cfg, "w") as f:
+        f.write(INT8)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    c = amct.create_compressed_retrain_model(_Residual().eval(), x, cfg, rec)
+    c.train()
+    with torch.no_grad():
+        for _ in range(3):
+            c(torch.randn(8, 3, 16, 16))
+    c.eval()
+    amct.save_compressed_retrain_model(c, rec, str(tmp_path / "m"), x, input_names=["x"])
+
+    def depthwise_slow(models, feeds):  # a grouped conv costs 3 in INT8 and 1 in float, the rest 1 and 2
+        out = {}
+        for label, m in models.items():
+            inits = {t.name for t in m.graph.initializer}
+            total = 0.0
+            for n in m.graph.node:
+                if n.op_type in ("Conv", "Gemm"):
+                    grouped = any(a.name == "group" and a.i > 1 for a in n.attribute)
+                    total += (1.0 if grouped else 2.0) if n.input[1] in inits else (3.0 if grouped else 1.0)
+            out[label] = total
+        return out
+
+    before = onnx.load(str(tmp_path / "m_deploy_model.onnx"))
+    placed, decision = latency_placement(before, {"x": x.numpy()}, timer=depthwise_slow, runtime="cost table")
+    assert decision["chosen"] == "blocks" and decision["float_layers"] == ["dw"], decision
+    ops, int8 = _optimised_ops(placed, tmp_path), _optimised_ops(before, tmp_path)
+    assert ops["QLinearConv"] == int8["QLinearConv"] - 1 and ops["Conv"] + ops["FusedConv"] == \
+        int8["Conv"] + int8["FusedConv"] + 1, (dict(ops), dict(int8))
+    _agrees_with_fake(str(tmp_path / "m_fake_quant_model.onnx"), placed, "float depthwise conv")
