@@ -14,7 +14,7 @@ weights, calibrated on the same batches; every MatMul quantized) and the two dep
 ONNX Runtime (2 threads, no spinning), interleaved rounds in alternating order, ``--repeat``
 fresh-session repeats; the medians and the median of the paired ratios are printed.
 
-Usage: PYTHONPATH=.:.venv/zoo-site python benchmarks/attention_matmul_qat.py [--only minilm,vit,swin]
+Usage: PYTHONPATH=. python benchmarks/attention_matmul_qat.py [--only minilm,vit,swin]
        [--steps 40] [--repeat 3] [--runs 10]      (about 10 min on 2 shared cores)
 """
 
@@ -188,6 +188,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(2)
+    from tests.zoo.torchvision_ops import vision_modules
+
+    vision_modules()  # first: transformers imports torchvision where it finds it, which needs its ops declared
     print("| model | switch | cosine before QAT | top-1 before | cosine after QAT | top-1 after | deploy ms "
           "| deploy / quantize_static | FP32 ms | quantize_static ms |\n|---|---|---|---|---|---|---|---|---|---|",
           flush=True)

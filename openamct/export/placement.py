@@ -6,8 +6,9 @@ DequantizeLinear, its input through a Q/DQ pair. Its INT8 form is what ORT fuses
 input's Q/DQ, the integer kernel, and the output's Q/DQ (through a Relu/Clip) where one follows;
 its float form is the float kernel on the dequantized weight, which the fake-quant model
 computes too. Depthwise and tiny convs, whose integer kernels and Q/DQ pairs cost more than the
-float arithmetic they save, are the usual ones kept float (torchvision MobileNetV3-Large and
-ShuffleNetV2 ran slower than FP32 in INT8 on a 2-core Xeon).
+float arithmetic they save, are the candidates. Which blocks lose depends on the CPU: torchvision
+MobileNetV3-Large's INT8 file ran at 0.87x FP32 on one 2-core Xeon and 1.04x on another, hence a
+measurement on the machine that saves rather than a fixed rule.
 
 Each block is timed alone, both forms interleaved (``openamct.export.ort_session.latency_ms``),
 on the activation it reads when the deploy file runs ``input_data``. Then three whole files are
