@@ -17,7 +17,8 @@ fresh-session repeats; the medians and the median of the paired ratios are print
 Measured (Intel Xeon, 2 cores shared at load 7-11, ORT 1.32; ViT: ``--steps 40 --repeat 3``,
 MiniLM: ``--steps 20 --repeat 2``), cosine / top-1 after QAT, deploy / quantize_static latency:
 ViT off 0.9966 / 0.997, 0.284; on 0.9971 / 0.997, 0.269. MiniLM off 0.9932 / 0.891, 0.615;
-on 0.9927 / 0.859, 0.718 (docs/config.md has the table and the decision).
+on 0.9927 / 0.859, 0.718. Swin (``--steps 20``) off 0.9916 / 0.879, 0.623; on 0.9923 / 0.845,
+0.581 (docs/config.md has the table and the decision).
 
 Usage: PYTHONPATH=. python benchmarks/attention_matmul_qat.py [--only minilm,vit,swin]
        [--steps 40] [--repeat 3] [--runs 10]      (about 10 min on 2 shared cores)
