@@ -66,13 +66,26 @@ def _check_extras(save_path: str, fp32_model: Any, report: Any) -> nn.Module | N
     return plain
 
 
-def _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes) -> None:
+def _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes,
+                placement=None) -> None:
     if fp32_model is None and report is None:
         return
     from openamct.export.fp32_reference import after_save
 
     fake, deploy = save_paths(save_path)
     after_save(fake, deploy, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
+    if placement is not None and report is not None:
+        from openamct.export.placement import placement_summary, read_decision
+
+        decision = read_decision(deploy)
+        if decision is not None:
+            report(placement_summary(decision))
+
+
+def _check_placement(placement) -> None:
+    from openamct.export.placement import check_placement
+
+    check_placement(placement)
 
 
 def _check_inputs_distinct(**paths: Any) -> None:
@@ -127,17 +140,19 @@ def restore_prune_retrain_model(model, input_data, record_file, config_definatio
 
 
 def save_prune_retrain_model(model, save_path, input_data, input_names=None, output_names=None, dynamic_axes=None,
-                             *, fp32_model=None, report=None):
+                             *, fp32_model=None, report=None, placement=None):
     """Fold the masks/pruning into the weights and write the two ONNX files (identical here).
 
     Keyword-only, beyond upstream (docs/checking.md): ``fp32_model``, the float model you
     compressed, is also exported as ``{save_path}_fp32_model.onnx`` (same names and axes);
     ``report``, a callable taking one str (``print``, a logger's ``info``), gets the one-line
-    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left."""
+    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left.
+    ``placement``: accepted as on the other save_* (both files are float here: nothing to place)."""
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes)
+    _check_placement(placement)
     fp32_model = _check_extras(save_path, fp32_model, report)
-    pipeline.save(model, save_path, input_data, None, input_names, output_names, dynamic_axes)
-    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
+    pipeline.save(model, save_path, input_data, None, input_names, output_names, dynamic_axes, placement)
+    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes, placement)
 
 
 # -- combined sparsity + quantization ("compressed" family) -------------------------------------
@@ -156,17 +171,21 @@ def restore_compressed_retrain_model(model, input_data, config_defination, recor
 
 
 def save_compressed_retrain_model(model, record_file, save_path, input_data, input_names=None, output_names=None,
-                                  dynamic_axes=None, *, fp32_model=None, report=None):
+                                  dynamic_axes=None, *, fp32_model=None, report=None, placement=None):
     """Write ``{save_path}_fake_quant_model.onnx`` and ``{save_path}_deploy_model.onnx``.
 
     Keyword-only, beyond upstream (docs/checking.md): ``fp32_model``, the float model you
     compressed, is also exported as ``{save_path}_fp32_model.onnx`` (same names and axes);
     ``report``, a callable taking one str (``print``, a logger's ``info``), gets the one-line
-    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left."""
+    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left.
+    ``placement="latency"`` keeps float the blocks whose INT8 form runs slower than their float
+    form in ONNX Runtime on this machine, timed at save time (docs/export.md); the decision is
+    in the deploy file's metadata and, with ``report``, in one more line."""
     model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file)
+    _check_placement(placement)
     fp32_model = _check_extras(save_path, fp32_model, report)
-    pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
-    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
+    pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes, placement)
+    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes, placement)
 
 
 # -- quantization-aware training only ("quant" family) --------------------------------------------
@@ -215,7 +234,8 @@ def restore_quant_retrain_model(config_file, model, record_file, input_data, pth
 
 
 def save_quant_retrain_model(config_file, model, record_file, save_path, input_data, input_names=None,
-                             output_names=None, dynamic_axes=None, *, fp32_model=None, report=None):
+                             output_names=None, dynamic_axes=None, *, fp32_model=None, report=None,
+                             placement=None):
     """Write the fake-quant and deploy ONNX models of a QAT model: one returned by
     create/restore_quant_retrain_model, or one holding single-op QAT modules
     (``openamct.nn.module.quantization``), which is exported and converted as
@@ -225,14 +245,22 @@ def save_quant_retrain_model(config_file, model, record_file, save_path, input_d
     Keyword-only, beyond upstream (docs/checking.md): ``fp32_model``, the float model you
     compressed, is also exported as ``{save_path}_fp32_model.onnx`` (same names and axes);
     ``report``, a callable taking one str (``print``, a logger's ``info``), gets the one-line
-    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left."""
+    summary of ``openamct verify``: deploy vs FP32 speed in ONNX Runtime, agreement, float ops left.
+    ``placement="latency"`` keeps float the blocks whose INT8 form runs slower than their float
+    form in ONNX Runtime on this machine, timed at save time (docs/export.md); the decision is
+    in the deploy file's metadata and, with ``report``, in one more line.
+    Not for single-op QAT modules (ValueError)."""
     from openamct.nn.convert import holds_qat_modules, save_qat_model
 
     check_type("config_file", config_file, str)
+    _check_placement(placement)
     plain = unwrap(model)
     if isinstance(plain, nn.Module) and getattr(plain, "_openamct", None) is None and holds_qat_modules(plain):
         # config_file and record_file are neither read nor written: not checked as files
         check_type("record_file", record_file, str)
+        if placement is not None:
+            raise ValueError(f"placement={placement!r}: not available for a model of single-op QAT modules "
+                             "(their deploy file is converted from a plain export); save without it")
         model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes)
         fp32_model = _check_extras(save_path, fp32_model, report)
         logger.info("save_quant_retrain_model: single-op QAT modules: config_file and record_file are not read")
@@ -241,8 +269,8 @@ def save_quant_retrain_model(config_file, model, record_file, save_path, input_d
         model = _check_save(model, save_path, input_data, input_names, output_names, dynamic_axes, record_file,
                             config_file)
         fp32_model = _check_extras(save_path, fp32_model, report)
-        pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes)
-    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes)
+        pipeline.save(model, save_path, input_data, record_file, input_names, output_names, dynamic_axes, placement)
+    _after_save(save_path, input_data, fp32_model, report, input_names, output_names, dynamic_axes, placement)
 
 
 def convert_qat_model(model_file, save_path):

@@ -254,7 +254,7 @@ def uninitialised_layers(model: nn.Module) -> list[str]:
 
 
 def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | None,
-         input_names, output_names, dynamic_axes) -> tuple[str, str]:
+         input_names, output_names, dynamic_axes, placement: str | None = None) -> tuple[str, str]:
     from openamct._checks import save_paths
     from openamct.export.writer import export_pair
 
@@ -263,6 +263,9 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
         raise ValueError("model was not returned by an openamct create_*/restore_* function: save_* needs the "
                          "compressed model (it carries the record and the quantizers)")
     fake_path, deploy_path = save_paths(save_path)
+    if placement is not None and keeper.large_model:
+        raise ValueError(f"placement={placement!r} is not available on the large-model path (large_model): "
+                         "save without it, or create the model with large_model=False")
     keeper.undo_failed_forward()
     from openamct.export.precheck import check_modules, check_names
 
@@ -294,7 +297,7 @@ def save(model: nn.Module, save_path: str, input_data: Any, record_file: str | N
             streamed = streamed_save(model)
         with unfused_attention():
             export_pair(model, fake_path, deploy_path, input_data, input_names, output_names, dynamic_axes,
-                        techniques=keeper.techniques, streamed_save=streamed)
+                        techniques=keeper.techniques, streamed_save=streamed, placement=placement)
     except torch.onnx.OnnxExporterError as exc:
         _remove_empty(made)
         raise explain_export_error(model, exc) from None

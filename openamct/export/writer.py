@@ -115,10 +115,27 @@ def _stamp(models: Sequence[onnx.ModelProto]) -> str:
     return save_id
 
 
+def _placed(deploy: onnx.ModelProto, input_data: Any) -> onnx.ModelProto:
+    """``placement="latency"`` on ``input_data``; where its tensors are not the file's inputs one
+    to one, the INT8 file as it is (one WARNING)."""
+    from openamct.export.placement import latency_placement
+
+    args, kwargs = split_input_data(input_data)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    inits = {t.name for t in deploy.graph.initializer}
+    names = [i.name for i in deploy.graph.input if i.name not in inits]
+    if len(names) != len(tensors):
+        logger.warning("placement='latency' skipped: input_data holds %d tensors, the deploy file reads %d inputs",
+                       len(tensors), len(names))
+        return deploy
+    return latency_placement(deploy, {n: t.detach().numpy() for n, t in zip(names, tensors, strict=True)})[0]
+
+
 def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: Any,
                 input_names=None, output_names=None, dynamic_axes=None, *,
                 techniques: Sequence[Technique] = TECHNIQUES,
-                external_threshold: int = EXTERNAL_DATA_BYTES, streamed_save: Callable | None = None) -> None:
+                external_threshold: int = EXTERNAL_DATA_BYTES, streamed_save: Callable | None = None,
+                placement: str | None = None) -> None:
     """Write ``fake_path`` (float fake-quant model) and ``deploy_path`` (INT8 QDQ model).
 
     Works on deep copies in eval mode, on the CPU: the caller's model (DDP-wrapped or not, on
@@ -129,6 +146,9 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
     tensors are all on the CPU (``openamct.large.attach.streamed_save``), which writes each
     folded weight while it is computed, one at a time; None (any other model) folds both models
     whole here.
+
+    ``placement="latency"``: the deploy file keeps float the blocks whose INT8 form ran slower
+    here (``export/placement.py``); None writes the INT8 deploy file as it is.
     """
     folder = os.path.dirname(os.path.abspath(fake_path))
     names = {"input_names": input_names, "output_names": output_names, "dynamic_axes": dynamic_axes,
@@ -168,6 +188,8 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
             observers = fold_deploy(work, techniques)
             deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
             del work
+            if placement == "latency":
+                deploy = _placed(deploy, input_data)
             progress.update(what="deploy model exported")
             _stamp([fake, deploy])
             write_onnx(fake, fake_path, external_threshold)

@@ -212,7 +212,7 @@ class ActivationQuant(Technique):
         done = hooked | {k for k, m in ctx.graph.module_outputs.items() if m in residual}
         relus = relu_sites(ctx.graph, rest, taken, done, reads_quantized, passes,
                            lambda n: int8_reader(ctx.model, n) and n.op in ("add", "mul", "cat"))
-        outputs += norm_read_convs(ctx.graph, rest, done, passes)
+        outputs += norm_read_convs(ctx.graph, rest, done, passes, ctx.model)
         return ActState(ops, outputs=outputs, shared=shared, residual=residual, concats=concats, relus=relus)
 
     def from_record(self, ctx: Context) -> ActState:

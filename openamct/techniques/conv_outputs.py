@@ -21,7 +21,9 @@ a QuantizeLinear of zero point 0.
 
 A conv whose output only LayerNorms read, through reshapes and permutes (ConvNeXt's depthwise
 convs), takes an output quantizer (``LayerParts.out_quant``): torchvision ConvNeXt-T's deploy
-file then runs at 0.73x quantize_static's latency, against 1.2x with those convs float.
+file then runs at 0.73x quantize_static's latency, against 1.2x with those convs float. A
+LayerNorm subclass counts as one (Hugging Face ConvNeXt's ``ConvNextLayerNorm``, read after its
+depthwise convs and its patch-embedding conv): without it every such conv ran float there.
 
 Not done: a conv that another float op reads (a GELU, an Add, a positional encoding) runs as a
 float kernel in the deploy file. A trained output quantizer there kept ORT's run of the deploy
@@ -100,8 +102,17 @@ LAYER_NORMS = {"LayerNorm", "LayerNorm2d", "layer_norm"}
 MOVES = {"Permute", "permute", "transpose"}  # a layout change before a channels-last LayerNorm
 
 
+def _layer_norm(model: nn.Module, n: Node) -> bool:
+    """A LayerNorm call, also a module subclassing ``nn.LayerNorm`` (Hugging Face's
+    ``ConvNextLayerNorm`` / ``ConvNextV2LayerNorm``, whose channels-first form permutes around
+    the norm: still a norm over each position's channels)."""
+    if n.op in LAYER_NORMS:
+        return True
+    return n.kind == "module" and isinstance(model.get_submodule(n.name), nn.LayerNorm)
+
+
 def norm_read_convs(graph: Graph, convs: dict[str, TensorInfo], hooked: set[int],
-                    passes: Callable[[Node], bool]) -> list[str]:
+                    passes: Callable[[Node], bool], model: nn.Module) -> list[str]:
     """The convs of ``convs`` whose output only LayerNorms read, through ``passes`` and
     permutes (ConvNeXt's depthwise convs): they take an output quantizer."""
     found = []
@@ -110,7 +121,7 @@ def norm_read_convs(graph: Graph, convs: dict[str, TensorInfo], hooked: set[int]
         users = graph.users(t)
         if graph.is_output(t) or not users:
             return False
-        return all(n.op in LAYER_NORMS and n.inputs and n.inputs[0] is t
+        return all(_layer_norm(model, n) and n.inputs and n.inputs[0] is t
                    or (passes(n) or n.op in MOVES) and len(n.outputs) == 1 and only_norms(n.outputs[0]) for n in users)
 
     for name, t in convs.items():
