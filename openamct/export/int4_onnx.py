@@ -240,7 +240,8 @@ def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits", accuracy
             continue
         q = numpy_helper.to_array(w)
         scale = inits.get(dq.input[1])
-        if scale is None or q.min() < -8 or q.max() > 7 or _attr(dq, "axis", 1) != 0:
+        # per output row (axis 0) or one scale (the axis then means nothing)
+        if scale is None or q.min() < -8 or q.max() > 7 or (_attr(dq, "axis", 1) != 0 and np.prod(scale.dims) != 1):
             continue
         found = _linear_of(dq, users)
         s = numpy_helper.to_array(scale).astype(np.float32).reshape(-1)
@@ -279,10 +280,11 @@ def pack_int4_weights(model: onnx.ModelProto, fmt: str = "matmulnbits", accuracy
     return len(linear)
 
 
-def finish_int4_deploy(model: onnx.ModelProto, names: set[str], accuracy_level: int = 0) -> tuple[int, int]:
+def finish_int4_deploy(model: onnx.ModelProto, names: set[str] | None, accuracy_level: int = 0) -> tuple[int, int]:
     """The deploy file's INT4 weights as 4 bits, in place: ``MatMulNBits`` for the Linears,
-    INT4 DequantizeLinear for the rest. Returns (MatMulNBits, INT4 DequantizeLinear) counts."""
-    if not names:
+    INT4 DequantizeLinear for the rest. ``names``: their initializers (None: every int8 weight
+    whose values lie in -8..7). Returns (MatMulNBits, INT4 DequantizeLinear) counts."""
+    if names is not None and not names:
         return 0, 0
     nbits = pack_int4_weights(model, "matmulnbits", accuracy_level, names)
     rest = native_int4(model, names)

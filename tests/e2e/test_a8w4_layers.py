@@ -1,6 +1,6 @@
 """A8W4 (INT8 activations, INT4 weights) on each of upstream's seven layer types, and A16W8 on
 LSTM/GRU, through the graph flow: create -> a few training steps -> restore (the same outputs,
-bit for bit) -> save -> ONNX Runtime runs both files. The fake-quant file holds its INT4 weights
+bit for bit) -> save -> ONNX Runtime and OpenVINO run both files. The fake-quant file holds its INT4 weights
 as native ONNX INT4 initializers (opset 21) and computes what torch computes; the deploy file
 stores them as 4 bits (MatMulNBits for a Linear, INT4 DequantizeLinear elsewhere)."""
 
@@ -15,6 +15,7 @@ from torch import nn
 
 import openamct as amct
 from openamct.record.file_io import read_record
+from tests.runtimes import openvino_compile
 
 LAYERS = {
     "Conv1d": (lambda: nn.Conv1d(4, 8, 3, padding=1), (2, 4, 10)),
@@ -75,6 +76,12 @@ def _run(path, x):
     return s.run(None, {s.get_inputs()[0].name: x.numpy()})[0]
 
 
+def _openvino(path, x):
+    pytest.importorskip("openvino")
+    c = openvino_compile(path, 2)
+    return c.create_infer_request().infer({c.inputs[0].get_any_name(): x.numpy()})[c.outputs[0]]
+
+
 def _cos(a, b):
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
@@ -95,6 +102,7 @@ def test_a8w4(tmp_path, kind):
     assert not [t for t in fake.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2
                 and np.prod(t.dims) >= 32]  # no float copy of a weight
     np.testing.assert_allclose(_run(fake_path, x), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(_openvino(fake_path, x), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
     deploy = onnx.load(deploy_path)
     ops = [n.op_type for n in deploy.graph.node]
@@ -110,6 +118,7 @@ def test_a8w4(tmp_path, kind):
         assert _cos(got, want) >= 0.999
     else:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3 * np.abs(want).max())
+    np.testing.assert_allclose(_openvino(deploy_path, x), got, rtol=1e-3, atol=2e-3 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
