@@ -15,6 +15,12 @@ Variants besides the two deploy files:
   activations per block to int8 and uses its int8 kernels) instead of 0 (float math);
 - ``a8w4_int8_storage`` (ResNet-18): the A8W4 grid kept in int8 initializers (the deploy form
   before INT4 storage), which ORT runs with its int8 QLinearConv.
+
+``--quality STEPS``: instead, all-MiniLM-L6-v2 trained through the graph flow
+(``create_compressed_retrain_model``) for STEPS steps against the FP32 model (embedding cosine +
+per-layer hidden-state loss, ``examples/minilm_helpers.distill``) under A8W8 and three A8W4
+configs (weights per tensor, per output channel, per channel with learned ULQ scales), then the
+mean cosine of held-out sentence embeddings to FP32.
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ from openamct.export.writer import export_onnx, write_onnx  # noqa: E402
 
 CFG = ("retrain_data_quant_config {{ ulq_quantize {{ }} }}\n"
        "retrain_weight_quant_config {{ arq_retrain {{ dst_type: {w} }} }}\n")
+QUALITY = {  # name -> weight block of the config (the order they run in)
+    "a8w4_per_channel": "arq_retrain { dst_type: INT4 channel_wise: true }",
+    "a8w4_per_tensor": "arq_retrain { dst_type: INT4 }",
+    "a8w4_per_channel_ulq": "ulq_retrain { dst_type: INT4 channel_wise: true }",
+    "a8w8": "arq_retrain { }",
+}
 
 
 def quantized(folder: str, name: str, wtype: str, model, sample, names=None, axes=None, out="out") -> str:
@@ -147,12 +159,41 @@ def minilm_rows(folder: str, args) -> None:
     timed(paths, feed, args.rounds, args.threads, args.openvino)
 
 
+def quality(folder: str, steps: int, configs: list[str]) -> None:
+    import copy
+
+    from examples import minilm_helpers as minilm
+
+    model, tok = minilm.load_minilm()
+    train, held = minilm.split_held_out(minilm.stdlib_sentences())
+    sample = dict(minilm.tokenize(tok, train[:16]))
+    ref = minilm.embed(model, tok, held)
+    print(f"\nall-MiniLM-L6-v2, {steps} training steps through the graph flow, {len(held)} held-out sentences")
+    print(f"{'config':22s} {'held-out cos':>12s} {'min cos':>8s} {'top-1':>6s} {'minutes':>8s}")
+    for name, wblock in QUALITY.items():
+        if configs and name not in configs:
+            continue
+        cfg = os.path.join(folder, f"{name}.cfg")
+        with open(cfg, "w") as f:
+            f.write(f"retrain_data_quant_config {{ ulq_quantize {{ }} }}\nretrain_weight_quant_config {{ {wblock} }}\n")
+        t = time.perf_counter()
+        torch.manual_seed(0)
+        student = amct.create_compressed_retrain_model(copy.deepcopy(model), sample, cfg,
+                                                       os.path.join(folder, f"{name}.txt"))
+        minilm.distill(student, model, tok, train, steps)
+        c = minilm.compare(ref, minilm.embed(student, tok, held))
+        print(f"{name:22s} {c['mean_cosine']:12.4f} {c['min_cosine']:8.4f} {c['top1_agreement']:6.3f} "
+              f"{(time.perf_counter() - t) / 60:8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", default="resnet18,minilm")
     ap.add_argument("--no-openvino", dest="openvino", action="store_false")
+    ap.add_argument("--quality", type=int, metavar="STEPS", help="train and compare quality instead (see above)")
+    ap.add_argument("--configs", default="", help=f"with --quality: some of {','.join(QUALITY)} (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.openvino:
@@ -161,6 +202,9 @@ def main() -> None:
         except ImportError:
             args.openvino = False
     with tempfile.TemporaryDirectory(prefix="int4-deploy-") as folder:
+        if args.quality is not None:
+            quality(folder, args.quality, [c for c in args.configs.split(",") if c])
+            return
         if "resnet18" in args.models:
             resnet(folder, args)
         if "minilm" in args.models:
