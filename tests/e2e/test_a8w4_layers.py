@@ -134,3 +134,34 @@ def test_a16w8(tmp_path, kind):
     layers = r.layer.num_layers
     assert sorted(n.op_type for n in wide) == ["DequantizeLinear"] * layers + ["QuantizeLinear"] * layers
     assert _cos(_run(deploy_path, x), want) >= 0.999
+
+
+def test_per_layer_int4_leaves_the_int8_layers_int8(tmp_path):
+    """One conv A8W4 by override, the rest A8W8: only that weight is 4-bit in either file, and
+    the INT8 convs still run as ORT's QLinearConv."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4))
+    x = torch.randn(4, 3, 6, 6)
+    cfg = tmp_path / "q.cfg"
+    cfg.write_text("retrain_data_quant_config { ulq_quantize { } }\nretrain_weight_quant_config { arq_retrain { } }\n"
+                   'override_layer_configs { layer_name: "2" retrain_data_quant_config { ulq_quantize { } } '
+                   "retrain_weight_quant_config { arq_retrain { dst_type: INT4 } } }\n")
+    m = amct.create_compressed_retrain_model(model, x, str(cfg), str(tmp_path / "r.txt"))
+    m.train()
+    m(x)
+    m.eval()
+    with torch.no_grad():
+        want = m(x).numpy()
+    amct.save_compressed_retrain_model(m, str(tmp_path / "r.txt"), str(tmp_path / "o"), x)
+    for f in ("fake_quant", "deploy"):
+        g = onnx.load(str(tmp_path / f"o_{f}_model.onnx")).graph
+        assert [t.name for t in g.initializer if t.data_type == onnx.TensorProto.INT4 and len(t.dims) > 1] == \
+            ["2.weight_int8"]
+    deploy = str(tmp_path / "o_deploy_model.onnx")
+    assert sorted(t.name for t in onnx.load(deploy).graph.initializer if t.data_type == onnx.TensorProto.INT8
+                  and t.name.endswith("weight_int8")) == ["0.weight_int8", "4.weight_int8", "7.weight_int8"]
+    from tests.runtimes import ort_optimized_ops
+
+    assert ort_optimized_ops(deploy, tmp_path).count("QLinearConv") >= 1
+    assert _cos(_run(deploy, x), want) >= 0.999
