@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 __all__ = ["QuantFormat", "INT8_ACT", "INT8_WEIGHT", "INT4_WEIGHT", "INT16_ACT", "UINT8_ACT", "DEFAULT",
            "activation_format", "weight_format", "unsigned", "check_format", "WEIGHT_FORMATS", "ACTIVATION_FORMATS",
-           "QAT_MODULE_ACTIVATION_FORMATS"]
+           "QAT_MODULE_ACTIVATION_FORMATS", "FormatPair", "PAIRS", "REFUSED_PAIRS", "pair_name", "format_pair"]
 
 DEFAULT = "INT8"  # the config's and the record's default data type
 
@@ -96,7 +96,8 @@ def unsigned(fmt: QuantFormat) -> tuple[QuantFormat, int]:
 # Which config/record DataType names each role accepts (per-channel entries; ``weight_format``
 # sets the granularity a layer asks for).
 WEIGHT_FORMATS = MappingProxyType({f.name: f for f in (INT8_WEIGHT, INT4_WEIGHT)})
-ACTIVATION_FORMATS = MappingProxyType({INT8_ACT.name: INT8_ACT})
+# (INT16 is a graph-flow activation format only in the A16W8 pair, on LSTM/GRU: ``PAIRS``.)
+ACTIVATION_FORMATS = MappingProxyType({f.name: f for f in (INT8_ACT, INT16_ACT)})
 # The data formats a single-op QAT module's config may name (openamct.nn.module.quantization).
 QAT_MODULE_ACTIVATION_FORMATS = MappingProxyType({f.name: f for f in (INT8_ACT, INT16_ACT)})
 
@@ -110,10 +111,66 @@ def weight_format(name: str, channel_wise: bool) -> QuantFormat:
 
 
 def activation_format(name: str) -> QuantFormat:
-    """The activation format called ``name``; INT4 is a weight-only format."""
+    """The activation format called ``name``; INT4 is a weight-only format. Which layer types
+    take which activation and weight format together is ``PAIRS``' business."""
     fmt = ACTIVATION_FORMATS.get(name)
     if fmt is None:
         extra = " (INT4 is for weights only; activations stay INT8)" if name in WEIGHT_FORMATS else ""
         raise ValueError(f"activation format {name!r} is not supported for activations{extra}; "
                          f"use one of {', '.join(ACTIVATION_FORMATS)}")
     return fmt
+
+
+# -- activation/weight pairs ------------------------------------------------------------------
+# Upstream AMCT names a layer's formats together, "A<act bits>W<weight bits>", and accepts a
+# pair only from its list. The table says, per pair, which layer types of the graph flow take it
+# (None: every quantizable type). The single-op QAT modules (openamct.nn) read the same table
+# with ``single_op=True``: they also take A16W8 on their convolutions and Linear.
+
+@dataclass(frozen=True)
+class FormatPair:
+    name: str  # "A8W4"
+    act: QuantFormat
+    weight: QuantFormat  # per output channel; ``weight_format`` sets a layer's granularity
+    layer_types: frozenset[str] | None = None  # graph-flow layer types that take it; None: all
+    single_op_types: frozenset[str] | None = None  # the same for the single-op QAT modules
+
+
+_RECURRENT = frozenset({"LSTM", "GRU"})
+PAIRS = MappingProxyType({p.name: p for p in (
+    FormatPair("A8W8", INT8_ACT, INT8_WEIGHT),
+    # INT8 activations, INT4 weights: upstream's seven types (Conv1d/2d, ConvTranspose1d/2d,
+    # Linear, LSTM, GRU) and the other weight layers openamct quantizes (Conv3d, transformers'
+    # Conv1D), whose INT4 weights export the same way.
+    FormatPair("A8W4", INT8_ACT, INT4_WEIGHT),
+    # INT16 activations with INT8 weights: the recurrent layers in the graph flow (their input
+    # and hidden state feed a float LSTM/GRU kernel in the deploy model); every single-op module.
+    FormatPair("A16W8", INT16_ACT, INT8_WEIGHT, layer_types=_RECURRENT),
+)})
+
+# Pairs upstream refuses, with upstream's reason (its retrain config check). A4W4 is in
+# upstream's list of names but refused before it: INT4 activations need INT4 retraining, which
+# upstream's capacity table turns off.
+_INT4_ACT = "Int4 quantization aware training is not supported (INT4 activations: upstream AMCT refuses them too)"
+REFUSED_PAIRS = MappingProxyType({"A4W4": _INT4_ACT, "A4W8": _INT4_ACT})
+
+
+def pair_name(act: str, weight: str) -> str:
+    """Upstream's name of a pair of DataType names: ("INT8", "INT4") -> "A8W4"."""
+    return f"A{act.removeprefix('INT')}W{weight.removeprefix('INT')}"
+
+
+def format_pair(act: str, weight: str, layer_type: str, where: str, single_op: bool = False) -> FormatPair:
+    """The pair of ``act`` and ``weight`` (DataType names) for a layer of ``layer_type``, or a
+    ValueError that names ``where`` (the config field and the layer), the pair and the reason."""
+    name = pair_name(act, weight)
+    pair = PAIRS.get(name)
+    if pair is None:
+        why = REFUSED_PAIRS.get(name) or ("Activation and weights data_type are not supported for now "
+                                          f"(upstream's message); supported pairs: {', '.join(PAIRS)}")
+        raise ValueError(f"{where}: activation {act} with weights {weight} ({name}) is refused: {why}")
+    types = pair.single_op_types if single_op else pair.layer_types
+    if types is not None and layer_type not in types:
+        raise ValueError(f"{where}: {name} (activation {act}, weights {weight}) is supported on "
+                         f"{', '.join(sorted(types))} only, not on {layer_type}")
+    return pair

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from openamct.compressed.layer import CompressedLayer
 from openamct.export.export_layer import fold_activations, fold_layers
+from openamct.export.int4_onnx import fake_int4_extras
 from openamct.export.recurrent import fold_recurrent
 from openamct.formats import INT8_ACT, QuantFormat
 from openamct.quant.covering_pool import fold_pools
@@ -57,8 +58,10 @@ class FakeQuantAct(nn.Module):
 
 
 def _fake_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:
+    # An INT4 weight goes out as grid values read by DequantizeLinear (export/int4_onnx.py).
     return {"pre": None if parts.input_quant is None else FakeQuantAct(*parts.input_quant),
-            "post": None if parts.output_quant is None else FakeQuantAct(*parts.output_quant)}
+            "post": None if parts.output_quant is None else FakeQuantAct(*parts.output_quant),
+            **fake_int4_extras(layer, w, parts)}
 
 
 def _plain_layer(name: str, layer: CompressedLayer, w: Tensor, parts: ExportParts) -> dict:

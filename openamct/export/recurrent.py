@@ -32,7 +32,7 @@ from openamct.compressed.recurrent import (
     squeeze_output,
 )
 from openamct.export.element_types import storage_dtype
-from openamct.export.export_layer import QDQAct
+from openamct.export.export_layer import QDQAct, WeightDQ
 from openamct.module_tree import set_module
 
 __all__ = ["RecurrentFake", "RecurrentDeploy", "fold_recurrent", "has_recurrent", "ONNX_GATE_ORDER"]
@@ -68,16 +68,30 @@ class RecurrentFake(nn.Module):
         for k in HYPER:
             setattr(self, k, getattr(layer, k))
         self.dropout, self.training = 0.0, False
+        int4 = {}  # INT4 weights: grid values read through DequantizeLinear (export/int4_onnx.py)
         with torch.no_grad():
             for name, _ in layer.named_parameters(recurse=False):
                 value = layer.quantized_weight(name).detach().clone()
+                q = layer.wts_quant[name] if name in layer.wts_quant else None
+                if q is not None and q.format.bits == 4:
+                    s = layer.weight_scales(name).float().reshape(-1)
+                    dq = int4[name] = WeightDQ(s.expand(value.shape[0]).clone(), 0, q.format)
+                    self.register_buffer(f"{name}_int8", dq.quantize(value))
+                    continue
                 self.register_buffer(name, value)
-        self.x_pre = nn.ModuleDict({k: make_act(*q.scale_offset()) for k, q in layer.x_quant.items()})
-        self.h_pre = nn.ModuleDict({k: make_act(*q.scale_offset()) for k, q in layer.h_quant.items()})
+        self.int4 = nn.ModuleDict(int4)
+        # each quantizer's own format: an INT16 (A16W8) layer clamps to the 16-bit range
+        self.x_pre = nn.ModuleDict({k: make_act(*q.scale_offset(), q.format) for k, q in layer.x_quant.items()})
+        self.h_pre = nn.ModuleDict({k: make_act(*q.scale_offset(), q.format) for k, q in layer.h_quant.items()})
+
+    def _weight(self, name: str) -> Tensor | None:
+        if name in self.int4:
+            return self.int4[name](getattr(self, f"{name}_int8"))
+        return getattr(self, name, None)
 
     def forward(self, input: Tensor, hx=None):
         x, hx, unbatched = check_input(self, input, hx)
-        out = run_recurrent(self, x, hx, lambda n: getattr(self, n, None),
+        out = run_recurrent(self, x, hx, self._weight,
                             lambda k, t: self.x_pre[f"l{k}"](t), lambda s, h: self.h_pre[s](h))
         return squeeze_output(out, self.mode == "LSTM", self.batch_first) if unbatched else out
 
@@ -152,6 +166,35 @@ class _RnnOp(Function):
         return (y, yh, yc) if mode == "LSTM" else (y, yh)
 
 
+class _WideQDQ(Function):
+    """Per-tensor fake quant of a format wider than 8 bits; exported as ONNX Runtime's
+    ``com.microsoft`` QuantizeLinear -> DequantizeLinear with an int16 zero point (the standard
+    ops take int16 only from opset 21, which the TorchScript exporter does not write)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float, zero: int, qmin: int, qmax: int) -> Tensor:
+        return (torch.round(x * (1.0 / scale)) + zero).clamp(qmin, qmax).sub(zero).mul(scale)
+
+    @staticmethod
+    def symbolic(g, x, scale: float, zero: int, qmin: int, qmax: int):
+        s = g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32))
+        z = g.op("Constant", value_t=torch.tensor(zero, dtype=torch.int16))
+        return g.op("com.microsoft::DequantizeLinear", g.op("com.microsoft::QuantizeLinear", x, s, z), s, z)
+
+
+class WideQDQAct(nn.Module):
+    """The deploy model's input quantizer of an INT16 (A16W8) recurrent layer: signed 16-bit,
+    the trained grid as it is (the LSTM/GRU after it is a float kernel: no uint shift to make)."""
+
+    def __init__(self, scale: float, offset: int, fmt) -> None:
+        super().__init__()
+        self.scale = float(torch.tensor(scale, dtype=torch.float32))
+        self.zero_point, self.qmin, self.qmax = int(offset), fmt.qmin, fmt.qmax
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _WideQDQ.apply(x, self.scale, self.zero_point, self.qmin, self.qmax)
+
+
 class RecurrentDeploy(nn.Module):
     """The deploy model's form of a RecurrentLayer (module docstring)."""
 
@@ -162,7 +205,8 @@ class RecurrentDeploy(nn.Module):
         for k in HYPER:
             setattr(self, k, getattr(layer, k))
         if x_pre is None:
-            x_pre = nn.ModuleDict({k: QDQAct(*q.scale_offset(), q.format) for k, q in layer.x_quant.items()})
+            x_pre = nn.ModuleDict({k: (QDQAct if q.format.bits <= 8 else WideQDQAct)(*q.scale_offset(), q.format)
+                                   for k, q in layer.x_quant.items()})
         self.x_pre = x_pre
         dirs = 1 + int(self.bidirectional)
         with torch.no_grad():

@@ -37,6 +37,7 @@ from openamct.export.export_layer import (
 )
 from openamct.export.fake_quant import fold_fake_quant, fold_plain
 from openamct.export.ids import SAVE_ID_KEY, hash_model, tensor_bytes
+from openamct.export.int4_onnx import finish_int4_deploy, int4_initializers, native_int4
 from openamct.export.recurrent import has_recurrent
 from openamct.export.signature import export_signature
 from openamct.graph.capture import split_input_data
@@ -181,12 +182,15 @@ def export_pair(model: nn.Module, fake_path: str, deploy_path: str, input_data: 
         streamed_save(model, probe, fake_path, deploy_path, input_data, names, techniques, external_threshold)
     else:  # both models folded whole, exported, stamped and written
         with Progress("save", total=3, logger=logger) as progress:
+            int4 = int4_initializers(probe)  # INT4 weights go out as 4-bit values (int4_onnx.py)
             fake = export_onnx(fold_fake_quant(probe, techniques), input_data, **names)
+            native_int4(fake, int4, reproduce=True)
             del probe
             progress.update(what="fake-quant model exported")
             work = working_copy(model, cpu=True)
             observers = fold_deploy(work, techniques)
             deploy = finish_deploy(export_onnx(work, input_data, **names), observers)
+            finish_int4_deploy(deploy, int4)
             del work
             if placement == "latency":
                 deploy = _placed(deploy, input_data)

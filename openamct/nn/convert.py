@@ -39,6 +39,7 @@ from openamct.export.deploy import finish_deploy
 from openamct.export.element_types import numpy_dtype
 from openamct.export.export_layer import inputs_on_cpu, working_copy
 from openamct.export.ids import SAVE_ID_KEY, hash_model
+from openamct.export.int4_onnx import finish_int4_deploy, native_int4
 from openamct.export.writer import export_to_file, write_onnx
 from openamct.formats import INT8_ACT, INT8_WEIGHT, unsigned
 from openamct.nn.module.quantization.base import QATLayer
@@ -192,12 +193,16 @@ def _convert(model: onnx.ModelProto, fake_path: str, deploy_path: str, where: st
     fake = onnx.ModelProto()
     fake.CopyFrom(model)
     write_fake_quant(read_qat(fake, where))
+    native_int4(fake, None, reproduce=True)  # an INT4 LSTM/GRU's gate blocks (int4_onnx.py)
     deploy = model  # the caller's copy: edited in place
     observers = write_deploy(read_qat(deploy, where))
     if any(n.domain == MS_DOMAIN for n in deploy.graph.node) and \
             not any(o.domain == MS_DOMAIN for o in deploy.opset_import):
         deploy.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     finish_deploy(deploy, observers, all_observers=True)  # single-op modules train no output quantizers
+    # INT4 weights (A8W4 modules) as 4 bits. The file does not say which modules were INT4; a
+    # weight whose grid values all lie in -8..7 is one (an INT8 ARQ weight reaches +-127).
+    finish_int4_deploy(deploy, None)
     _stamp([fake, deploy])
     write_onnx(fake, fake_path)
     write_onnx(deploy, deploy_path)

@@ -187,13 +187,25 @@ def fake_quant_per_channel(w: Tensor, scale: Tensor, axis: int = 0, groups: int 
     if per_tensor is None:
         per_tensor = scale.numel() == 1
     if graph_mode():  # QuantizeLinear/DequantizeLinear in the exported graph
+        qmin, qmax = fmt.qmin, fmt.qmax
+        if fmt.bits < 8:
+            # torch's ONNX exporters write 8-bit QuantizeLinear only: the weight is clamped into
+            # the narrower grid's range first, and the 8-bit Q/DQ of the same scale then rounds
+            # it onto that grid (clamp and round commute at integer bounds); a reader folds the
+            # clamp of the constant weight (convert_qat_model) and finds the INT4 values.
+            qmin, qmax = INT8_WEIGHT.qmin, INT8_WEIGHT.qmax
         if per_tensor:
+            sf = scale.reshape(()).float()
+            if fmt.bits < 8:
+                w = torch.clamp(w, fmt.qmin * sf, fmt.qmax * sf)
             return torch.fake_quantize_per_tensor_affine(
-                w, scale.reshape(()).float(), torch.zeros((), dtype=torch.int32, device=w.device),
-                fmt.qmin, fmt.qmax)
+                w, sf, torch.zeros((), dtype=torch.int32, device=w.device), qmin, qmax)
         w2, ch = to_channel_major(w, axis, groups)
+        if fmt.bits < 8:
+            s = scale.float().reshape(_bshape(w2.dim(), ch))
+            w2 = torch.minimum(torch.maximum(w2, fmt.qmin * s), fmt.qmax * s)
         zp = torch.zeros(scale.numel(), dtype=torch.int32, device=w.device)
-        y2 = torch.fake_quantize_per_channel_affine(w2, scale.float(), zp, ch, fmt.qmin, fmt.qmax)
+        y2 = torch.fake_quantize_per_channel_affine(w2, scale.float(), zp, ch, qmin, qmax)
         return from_channel_major(y2, w.shape, axis, groups)
     if per_tensor:
         sf = scale.reshape(()).float()

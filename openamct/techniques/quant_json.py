@@ -4,7 +4,8 @@ technique's config slice in the form upstream's QAT family reads (``Quantization
 Layout (upstream-like, flat): {"version": 1, "batch_num": N, "<layer>": {"retrain_enable": bool,
 "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8", ["clip_max", "clip_min"],
 ["fixed_min"]}, "retrain_weight_config": {"algo": "arq_retrain"|"ulq_retrain", "channel_wise":
-bool, "dst_type": "INT8"}}, ...}. Parsed with json, never evaluated.
+bool, "dst_type": "INT8"}}, ...}. Parsed with json, never evaluated. The two ``dst_type`` of a
+layer name a pair of ``openamct.formats.PAIRS`` its type takes (A8W8, A8W4; A16W8 on LSTM/GRU).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from openamct._atomic import atomic_write_bytes
 from openamct.config.errors import ConfigError
 from openamct.config.rules import QUANT
 from openamct.config.specs import LayerPlan, Plan
+from openamct.formats import ACTIVATION_FORMATS, WEIGHT_FORMATS, format_pair
 from openamct.graph.layers import LayerInfo
 from openamct.techniques.quantization import ActSpec, QuantSpec, WtsSpec
 
@@ -157,15 +159,27 @@ def plan_from_json(raw: bytes, layers: Mapping[str, LayerInfo], src: str, techni
             raise ConfigError(f"{where}.retrain_data_config: give both clip_max and clip_min or neither")
         if cmax is not None and not (math.isfinite(cmax) and cmax > 0 and math.isfinite(cmin) and cmin < 0):
             raise ConfigError(f"{where}.retrain_data_config: need clip_max > 0 > clip_min, got {cmax}, {cmin}")
-        for block, algos in ((d, ("ulq_quantize",)), (w, ("arq_retrain", "ulq_retrain"))):
+        dst = {}
+        for block, key, algos, known in ((d, "retrain_data_config", ("ulq_quantize",), ACTIVATION_FORMATS),
+                                         (w, "retrain_weight_config", ("arq_retrain", "ulq_retrain"), WEIGHT_FORMATS)):
             if _field(block, "algo", str, where, default=algos[0]) not in algos:
                 raise ConfigError(f"{where}: algo must be one of {algos}")
-            if _field(block, "dst_type", str, where, default="INT8") != "INT8":
-                raise ConfigError(f"{where}: only dst_type INT8 is supported")
+            dst[key] = _field(block, "dst_type", str, f"{where}.{key}", default="INT8")
+            if dst[key] not in known and dst[key] not in WEIGHT_FORMATS:
+                raise ConfigError(f"{where}.{key}.dst_type: {dst[key]!r} is not a format "
+                                  f"({', '.join(sorted({*ACTIVATION_FORMATS, *WEIGHT_FORMATS}))})")
+        act_type, wts_type = dst["retrain_data_config"], dst["retrain_weight_config"]
+        try:
+            format_pair(act_type, wts_type, layers[name].type,
+                        f"{where} ({layers[name].type}): retrain_data_config.dst_type {act_type} / "
+                        f"retrain_weight_config.dst_type {wts_type}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         act = ActSpec(clip_max=None if cmax is None else float(cmax), clip_min=None if cmin is None else float(cmin),
-                      fixed_min=_field(d, "fixed_min", bool, where))
+                      fixed_min=_field(d, "fixed_min", bool, where), dst_type=act_type)
         wts = WtsSpec(algo="ulq" if w.get("algo") == "ulq_retrain" else "arq",
-                      channel_wise=_field(w, "channel_wise", bool, where, default=layers[name].type != "Linear"))
+                      channel_wise=_field(w, "channel_wise", bool, where, default=layers[name].type != "Linear"),
+                      dst_type=wts_type)
         plan_layers[name].specs[technique] = QuantSpec(act, wts)
     plan = Plan(plan_layers, batch_num)
     if plan.is_empty():

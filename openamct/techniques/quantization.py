@@ -2,9 +2,11 @@
 weight quantizer (ARQ or ULQ) per planned layer, a foldable BatchNorm folded in, and an
 output range observer for the deploy model.
 
-Formats (``openamct.formats``): the config's ``dst_type`` names them. Activations are INT8;
-weights INT8 (the default) or INT4 (weight-only fake quant). The record names a weight format
-other than INT8 in ``wts_type`` (INT8 is the proto default and is never written).
+Formats (``openamct.formats``): the config's ``dst_type`` names them, and a layer takes the
+pair of them only as ``formats.PAIRS`` lists it for its type: A8W8 (the default) and A8W4 on
+every type, A16W8 on LSTM/GRU; A4W4 and A4W8 are refused with upstream's reason. The record
+names a format other than INT8 in ``act_type`` / ``wts_type`` (INT8 is the proto default and
+is never written).
 
 Create and restore make the same structure from the plan and the graph: the numbers (clips)
 come from the first batches (create) or the checkpoint (restore), never from the record,
@@ -27,9 +29,12 @@ from openamct.config.rules import QUANT, f32, winning_block
 from openamct.formats import (
     ACTIVATION_FORMATS,
     DEFAULT,
+    REFUSED_PAIRS,
     WEIGHT_FORMATS,
     QuantFormat,
     activation_format,
+    format_pair,
+    pair_name,
     weight_format,
 )
 from openamct.layer_types import ALL_TYPES, LAYER_TYPES
@@ -83,8 +88,9 @@ def _check_dtype(value: int, field: str, where: str, text: str, src: str, weight
         return
     at = f"{src}: {locate(text, 'dst_type', name)}{where}.{field}: "
     if name in WEIGHT_FORMATS:
+        why = REFUSED_PAIRS.get(pair_name(name, DEFAULT), "")
         raise ConfigError(f"{at}{name} is for weights only (retrain_weight_quant_config); "
-                          f"activations are quantized as {', '.join(ACTIVATION_FORMATS)}")
+                          f"activations are quantized as {', '.join(ACTIVATION_FORMATS)}. {why}")
     raise ConfigError(f"{at}{name} is not supported; use one of {', '.join(allowed)}")
 
 
@@ -109,6 +115,19 @@ def read_spec(block, layer_type: str) -> QuantSpec | None:
         wts = WtsSpec(algo="ulq" if algo == "ulq_retrain" else "arq", channel_wise=cw,
                       dst_type=_DTYPE.get(w.dst_type, DEFAULT))
     return QuantSpec(act, wts)
+
+
+def check_pair(spec: QuantSpec | None, info) -> QuantSpec | None:
+    """``spec`` when its activation/weight pair is one its layer's type takes (``formats.PAIRS``);
+    else a ConfigError naming the layer, both dst_type fields and the reason."""
+    if spec is not None:
+        where = (f"layer {info.name!r} ({info.type}): retrain_data_quant_config.ulq_quantize.dst_type "
+                 f"{spec.act.dst_type} / retrain_weight_quant_config.dst_type {spec.wts.dst_type}")
+        try:
+            format_pair(spec.act.dst_type, spec.wts.dst_type, info.type, where)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return spec
 
 
 @dataclass(frozen=True)
@@ -257,14 +276,14 @@ class Quantization(Technique):
             return None
         block, skipped = winning_block(cfg, QUANT, info.name, info.type)
         if block is not cfg and block is not None:
-            return read_spec(block, info.type)  # an override re-enables a skipped layer
+            return check_pair(read_spec(block, info.type), info)  # an override re-enables a skipped layer
         if skipped:
             notes.append("quant: skipped")
             return None
         spec = read_spec(cfg, info.type)
         if spec is None and api == "quant":  # upstream's QAT family quantizes by default
             spec = QuantSpec(ActSpec(), WtsSpec(channel_wise=info.type != "Linear"))
-        return spec
+        return check_pair(spec, info)
 
     def in_record(self, record: ScaleOffsetRecord) -> bool:
         return len(record.record) > 0

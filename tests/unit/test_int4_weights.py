@@ -133,20 +133,24 @@ def test_int4_weight_lifecycle(tmp_path, algo):
 
     amct.save_compressed_retrain_model(r, rec, str(tmp_path / "out"), x, input_names=["x"])
     fake = onnx.load(str(tmp_path / "out_fake_quant_model.onnx"))
-    inits = {t.name: onnx.numpy_helper.to_array(t) for t in fake.graph.initializer}
+    # INT4 weights are native ONNX INT4 initializers read by opset-21 DequantizeLinear, per
+    # output channel, with the record's scales
+    inits = {t.name: t for t in fake.graph.initializer}
     scales = {e.key: np.asarray(e.value.scale_w, np.float32) for e in read_record(rec).record}
+    assert any(o.domain == "" and o.version == 21 for o in fake.opset_import)
     checked = 0
-    for lname in layers:
-        w = inits.get(f"{lname}.weight")
-        if w is None or w.ndim != 4:
+    for node in fake.graph.node:
+        w = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if w is None:
             continue
-        rows = w.reshape(w.shape[0], -1)
-        assert max(len(np.unique(row)) for row in rows) <= 16, lname
-        ints = rows / scales[lname].reshape(-1, 1)
-        assert np.abs(ints - np.rint(ints)).max() < 1e-3, lname
-        assert np.rint(ints).min() >= -8 and np.rint(ints).max() <= 7, lname
+        assert w.data_type == onnx.TensorProto.INT4, w.name
+        lname = w.name.removesuffix(".weight_int8")
+        q = onnx.numpy_helper.to_array(w)
+        assert q.min() >= -8 and q.max() <= 7, lname
+        np.testing.assert_allclose(onnx.numpy_helper.to_array(inits[node.input[1]]).reshape(-1), scales[lname],
+                                   rtol=1e-6)
         checked += 1
-    assert checked >= 4
+    assert checked == len(layers)
     sess = ort.InferenceSession(str(tmp_path / "out_fake_quant_model.onnx"), providers=["CPUExecutionProvider"])
     inputs = [example_input(name, seed=s) for s in range(8)]
     with torch.no_grad():
@@ -154,11 +158,15 @@ def test_int4_weight_lifecycle(tmp_path, algo):
     y = np.concatenate([sess.run(None, {"x": i.numpy()})[0] for i in inputs])
     assert_same_quantized_function(ref, y, what=f"{name} INT4 weights")
 
-    # The deploy file stores the INT4 grid values in int8 initializers (ORT's integer kernels
-    # take int8 weights): every value lies on the INT4 grid.
+    # The deploy file stores the INT4 weights as 4-bit values: MatMulNBits for the Linears
+    # (packed uint8), INT4 DequantizeLinear initializers for the convolutions; no int8 weight left.
     deploy = onnx.load(str(tmp_path / "out_deploy_model.onnx"))
-    q = [onnx.numpy_helper.to_array(t) for t in deploy.graph.initializer if t.name.endswith("weight_int8")]
-    assert q and all(a.dtype == np.int8 and a.min() >= -8 and a.max() <= 7 for a in q)
+    ops = [n.op_type for n in deploy.graph.node]
+    int4 = [t for t in deploy.graph.initializer if t.data_type == onnx.TensorProto.INT4 and t.name.endswith("weight_int8")]
+    linears = sum(m.kind == "linear" for m in layers.values())
+    assert linears and ops.count("MatMulNBits") == linears and len(int4) == len(layers) - linears
+    assert not [t for t in deploy.graph.initializer if t.data_type == onnx.TensorProto.INT8
+                and t.name.endswith("weight_int8")]
 
 
 def test_int8_record_text_has_no_type_fields(tmp_path):

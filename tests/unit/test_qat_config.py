@@ -44,9 +44,10 @@ def test_full_config_is_read():
     ({"retrain_data_config": "x"}, TypeError, ["retrain_data_config", "dict"]),
     ({"retrain_weight_config": {"weights_retrain_algo": "lsq"}}, ValueError, ["weights_retrain_algo", "'lsq'"]),
     ({"retrain_weight_config": {"channel_wise": 1}}, TypeError, ["channel_wise", "bool"]),
-    ({"retrain_weight_config": {"dst_type": "INT4"}}, ValueError, ["retrain_weight_config.dst_type", "INT4",
-                                                                   "graph flow"]),
-    ({"retrain_data_config": {"dst_type": "INT4"}}, ValueError, ["retrain_data_config.dst_type", "weight format"]),
+    ({"retrain_data_config": {"dst_type": "INT16"}, "retrain_weight_config": {"dst_type": "INT4"}}, ValueError,
+     ["retrain_weight_config.dst_type", "A16W4", "refused"]),
+    ({"retrain_data_config": {"dst_type": "INT4"}}, ValueError, ["retrain_data_config.dst_type", "weight format",
+                                                                 "Int4 quantization aware training is not supported"]),
     ({"retrain_data_config": {"dst_type": "FP8"}}, ValueError, ["dst_type", "'FP8'"]),
     # a typo is refused even when the layer is not quantized
     ({"retrain_enable": False, "retrain_weight_config": {"chanel_wise": True}}, ValueError, ["'chanel_wise'"]),

@@ -20,12 +20,14 @@ trains with the same numerics.
 
 Refused, with an error naming the key: a key that is not one of the above (a typo would be
 ignored silently otherwise), a value of the wrong type, a batch_num below 1, non-finite clips,
-only one of clip_min/clip_max, clip_max <= 0 or clip_min >= 0, and formats the single-op
-export cannot deploy: INT4 weights (torch's ONNX exporters write 8-bit QuantizeLinear only;
-the graph flow quantizes INT4 weights). INT16 data (``openamct.formats.INT16_ACT``, beyond
-upstream's single-op page, which lists INT8 only) is accepted: no torch exporter writes a
-16-bit fake quant, so the module exports it as float ops that ``convert_qat_model`` turns into
-ONNX Runtime's int16 Q/DQ.
+only one of clip_min/clip_max, clip_max <= 0 or clip_min >= 0, and a pair of data and weight
+formats ``openamct.formats.PAIRS`` does not list for single-op modules: A8W8, A8W4 (INT4
+weights) and A16W8 (INT16 data, beyond upstream's single-op page, which lists INT8 only) are
+accepted; A4W4/A4W8 and A16W4 are refused with upstream's reason. No torch exporter writes a
+16-bit fake quant, so a module exports INT16 data as float ops that ``convert_qat_model`` turns
+into ONNX Runtime's int16 Q/DQ; nor a 4-bit one, so an INT4 weight is clamped into the INT4
+range and written with the 8-bit Q/DQ of the same scale (``quant.functions.fake_quant_per_channel``),
+whose values the converted deploy model stores as 4 bits.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from openamct.formats import DEFAULT, QAT_MODULE_ACTIVATION_FORMATS, WEIGHT_FORMATS
+from openamct.formats import (
+    DEFAULT,
+    QAT_MODULE_ACTIVATION_FORMATS,
+    REFUSED_PAIRS,
+    WEIGHT_FORMATS,
+    format_pair,
+    pair_name,
+)
 from openamct.techniques.quantization import ActSpec, QuantSpec, WtsSpec
 
 __all__ = ["QatConfig", "parse_qat_config", "TOP_KEYS", "DATA_KEYS", "WEIGHT_KEYS", "WEIGHT_ALGOS"]
@@ -48,11 +57,7 @@ WEIGHT_ALGOS = {"arq_retrain": "arq", "ulq_quantize": "ulq", "ulq_retrain": "ulq
 
 # Formats the single-op export can deploy; the rest of each role's formats is refused with a reason.
 SINGLE_OP_DATA = tuple(QAT_MODULE_ACTIVATION_FORMATS)  # INT8, INT16
-SINGLE_OP_WEIGHTS = (DEFAULT,)
-_WHY_NOT = {
-    "INT4": "torch's ONNX exporters write 8-bit QuantizeLinear only, so an INT4 QAT module could not be "
-            "exported and converted; quantize INT4 weights with the graph flow (create_quant_retrain_model)",
-}
+SINGLE_OP_WEIGHTS = tuple(WEIGHT_FORMATS)  # INT8, INT4
 
 
 @dataclass(frozen=True)
@@ -96,10 +101,9 @@ def _dst_type(block: Mapping, where: str, allowed: tuple[str, ...], known: Mappi
     if name in allowed:
         return name
     if not weights and name in WEIGHT_FORMATS:
-        raise ValueError(f"{where}.dst_type: {name} is a weight format; data takes {', '.join(allowed)}")
-    if name in _WHY_NOT:
-        raise ValueError(f"{where}.dst_type: {name} is not supported by the single-op QAT modules: {_WHY_NOT[name]}")
-    raise ValueError(f"{where}.dst_type: {name!r} is not a format ({', '.join(sorted(set(known) | set(_WHY_NOT)))}); "
+        raise ValueError(f"{where}.dst_type: {name} is a weight format; data takes {', '.join(allowed)} "
+                         f"({REFUSED_PAIRS.get(pair_name(name, DEFAULT), '')})")
+    raise ValueError(f"{where}.dst_type: {name!r} is not a format ({', '.join(sorted(known))}); "
                      f"the single-op QAT modules take {', '.join(allowed)}")
 
 
@@ -142,6 +146,7 @@ def parse_qat_config(config: Any, layer_type: str, where: str = "config") -> Qat
         raise ValueError(f"{wwhere}.weights_retrain_algo: {algo_name!r} is not one of {', '.join(WEIGHT_ALGOS)}")
     channel_wise = _get(w, "channel_wise", bool, wwhere, layer_type != "Linear")
     weight_type = _dst_type(w, wwhere, SINGLE_OP_WEIGHTS, WEIGHT_FORMATS, True)
+    format_pair(data_type, weight_type, layer_type, f"{dwhere}.dst_type / {wwhere}.dst_type", single_op=True)
     if not enable:
         return QatConfig(False, None, batch_num)
     act = ActSpec(clip_max=cmax, clip_min=cmin, fixed_min=fixed_min, dst_type=data_type)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from openamct.compressed.recurrent import RecurrentLayer, unsupported
 from openamct.export.recurrent import RecurrentDeploy
 from openamct.nn.module.quantization.config import QatConfig, parse_qat_config
-from openamct.quant.functions import graph_mode
+from openamct.quant.functions import graph_mode, ulq_qparams
 from openamct.techniques.quantization import make_act_quantizer, make_weight_quantizer
 
 __all__ = ["RecurrentQAT"]
@@ -51,6 +51,25 @@ def untraced():
         yield
     finally:
         put(state)
+
+
+class _ExportInput(nn.Module):
+    """An input quantizer as exported: its Q/DQ pair for INT8; for INT16 data (A16W8), which no
+    torch exporter writes as Q/DQ, the same arithmetic as float ops ending in a Clip to the
+    format, which ``convert_qat_model`` recognises (``QATLayer._export_input``'s form)."""
+
+    def __init__(self, aq: nn.Module) -> None:
+        super().__init__()
+        self.aq = aq
+
+    def forward(self, x: Tensor) -> Tensor:
+        aq = self.aq
+        fmt = aq.format
+        if fmt.bits <= 8:
+            return aq(x)
+        s, zp, _, _ = ulq_qparams(aq.clip_max, aq.clip_min, aq.fixed_min, fmt)
+        q = torch.clamp(torch.round(x * torch.reciprocal(s)) + zp, fmt.qmin, fmt.qmax)
+        return (q - zp) * s
 
 
 class RecurrentQAT(RecurrentLayer):
@@ -115,7 +134,7 @@ class RecurrentQAT(RecurrentLayer):
         # Exported: the int8 weights are computed here, outside the trace (constants of the
         # file), and the input quantizers write their int8 Q/DQ pairs.
         with untraced(), torch.no_grad():
-            deploy = RecurrentDeploy(self, x_pre=self.x_quant)
+            deploy = RecurrentDeploy(self, x_pre=nn.ModuleDict({k: _ExportInput(q) for k, q in self.x_quant.items()}))
         return deploy(input, hx)
 
     def extra_repr(self) -> str:
