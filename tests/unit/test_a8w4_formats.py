@@ -13,7 +13,15 @@ from torch import nn
 import openamct as amct
 from openamct import pipeline
 from openamct.config.errors import ConfigError
-from openamct.formats import INT4_WEIGHT, INT8_ACT, INT8_WEIGHT, INT16_ACT, PAIRS, format_pair, pair_name
+from openamct.formats import (
+    INT4_WEIGHT,
+    INT8_ACT,
+    INT8_WEIGHT,
+    INT16_ACT,
+    PAIRS,
+    format_pair,
+    pair_name,
+)
 
 
 class ConvSeq(nn.Module):

@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 import openamct as amct
-from openamct.nn.module.quantization import Conv1dQAT, Conv2dQAT, ConvTranspose2dQAT, GRUQAT, LinearQAT, LSTMQAT
+from openamct.nn.module.quantization import (
+    GRUQAT,
+    LSTMQAT,
+    Conv1dQAT,
+    Conv2dQAT,
+    ConvTranspose2dQAT,
+    LinearQAT,
+)
 
 W4 = {"retrain_weight_config": {"dst_type": "INT4"}}
 D16 = {"retrain_data_config": {"dst_type": "INT16"}}
