@@ -5,6 +5,7 @@ original model's outputs on the evaluation batches; and, for allocation, a conti
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import logging
 
@@ -98,3 +99,4 @@ def measure_copy(model, apply_fn, quality_fn, finetune_fn=None, quant_fn=None) -
         return float("-inf")
     finally:
         del trial
+        gc.collect()  # a model holds reference cycles: free the copy before the next one is made

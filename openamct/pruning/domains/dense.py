@@ -65,22 +65,28 @@ class DenseDomain:
         self._units = {u.name: u for u in found}
         return found
 
-    def _stats(self, model, units, data, *, gram: bool = False):
-        """Per unit: count, sum and sum of squares of the consumer's input channels (and X^T X
-        with a constant column appended, for least squares). Float64: the sums run over every
-        token of the calibration data."""
+    def _stats(self, model, units, data, *, gram_rows: torch.Tensor | None = None):
+        """Per unit: count, sum and sum of squares of the consumer's input channels, and with
+        ``gram_rows`` the rows ``gram_rows`` of X^T X, X with a constant column appended (what the
+        least squares reads: only the kept rows, never the whole square). Float64: the sums run
+        over every token of the calibration data."""
+        gram = gram_rows is not None
         acc = {}
 
         def make(unit, last):
             def pre(_mod, args):
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                a = acc.setdefault(unit.name, {"n": 0, "s": 0.0, "ss": 0.0, "g": 0.0})
+                a = acc.get(unit.name)
+                if a is None:
+                    n = x.shape[1] + 1
+                    a = acc[unit.name] = {"n": 0, "s": x.new_zeros(n - 1), "ss": x.new_zeros(n - 1),
+                                          "g": x.new_zeros(len(gram_rows), n) if gram else None}
                 a["n"] += x.shape[0]
-                a["s"] = a["s"] + x.sum(0)
-                a["ss"] = a["ss"] + (x * x).sum(0)
-                if gram:
+                a["s"] += x.sum(0)
+                a["ss"] += (x * x).sum(0)
+                if gram:  # in place: the [in + 1]^2 float64 sum is the largest thing pruning holds
                     xa = torch.cat([x, torch.ones_like(x[:, :1])], 1)
-                    a["g"] = a["g"] + xa.T @ xa
+                    a["g"].addmm_(xa[:, gram_rows].T, xa)
                 if last:
                     raise StopForward
             return pre
@@ -126,21 +132,21 @@ class DenseDomain:
             if down.bias is None:
                 self.warnings.append(f"{unit.name}: recovery='bias' needs a consumer bias; sliced instead")
                 return None
-            a = self._stats(model, [unit], data, gram=False)[unit.name]
+            a = self._stats(model, [unit], data)[unit.name]
             cut = torch.ones(w.shape[1], dtype=torch.bool)
             cut[idx] = False
             return w[:, idx], down.bias.detach().double() + w[:, cut] @ (a["s"] / a["n"])[cut]
-        g = self._stats(model, [unit], data, gram=True)[unit.name]["g"]
         n_in = w.shape[1]
         has_bias = down.bias is not None
         b = down.bias.detach().double() if has_bias else torch.zeros(w.shape[0], dtype=torch.float64)
         wa = torch.cat([w, b[:, None]], 1)  # [out, in + 1]: the bias as the constant column's weight
         rows = torch.cat([idx, torch.tensor([n_in])]) if has_bias else idx
-        gkk = g[rows][:, rows]
+        g = self._stats(model, [unit], data, gram_rows=rows)[unit.name]["g"]  # [rows, in + 1]
+        gkk = g[:, rows]
         ridge = float(self.options.get("ridge", 1e-2)) * gkk.diagonal()[: len(idx)].mean().clamp_min(1e-12)
         reg = torch.zeros(len(rows), dtype=torch.float64)
         reg[: len(idx)] = ridge  # the bias is never shrunk
-        sol = torch.linalg.solve(gkk + torch.diag(reg), g[rows] @ wa.T)  # [len(rows), out]
+        sol = torch.linalg.solve(gkk + torch.diag(reg), g @ wa.T)  # [len(rows), out]
         return (sol[: len(idx)].T, sol[len(idx)]) if has_bias else (sol.T, None)
 
     def apply(self, model, keep: dict[str, torch.Tensor], data, *, reconstruct: bool) -> None:
