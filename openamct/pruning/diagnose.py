@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openamct.pruning import core
 from openamct.pruning.batches import as_batches, main_tensor, run
 from openamct.pruning.config import METHODS, parse_config
 from openamct.pruning.domains import get_domain

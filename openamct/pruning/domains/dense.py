@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from openamct.pruning.domains._common import (
-    StopForward, forward_all, hooks, keep_index, rewrite_config, set_param)
+    StopForward,
+    forward_all,
+    hooks,
+    keep_index,
+    rewrite_config,
+    set_param,
+)
 from openamct.pruning.domains.base import Unit
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,13 @@ import re
 import torch
 from torch import nn
 
-from openamct.pruning.domains._common import forward_all, hooks, keep_index, rewrite_config, set_param
+from openamct.pruning.domains._common import (
+    forward_all,
+    hooks,
+    keep_index,
+    rewrite_config,
+    set_param,
+)
 from openamct.pruning.domains.base import Unit
 
 COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "n_experts")
