@@ -90,7 +90,12 @@ def member_params(model: nn.Module, unit: Unit) -> int:
     return sum(p.numel() for m in top for p in model.get_submodule(m).parameters())
 
 
-def params_removed(target: Target, keeps: dict[str, torch.Tensor]) -> int:
+def params_removed(model: nn.Module, target: Target, keeps: dict[str, torch.Tensor]) -> int:
+    """The parameters cutting ``keeps`` removes: the domain's exact count where it has one (a
+    layer cut on both sides by two units counts once), else ``Unit.params_per_channel``."""
+    exact = getattr(target.domain, "params_removed", None)
+    if exact is not None:
+        return exact(model, keeps)
     return sum((u.size - int(keeps[u.name].sum())) * u.params_per_channel for u in target.units)
 
 

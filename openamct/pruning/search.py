@@ -100,7 +100,7 @@ def tolerance_search(model, cfg, batches, tolerance, *, ratio_grid=None, report=
         mid = (lo + hi) // 2
         keeps = [core.keep_masks(t, grid[mid]) for t in targets]
         q = trial_quality(model, targets, keeps, batches, qf, finetune_fn, quant_fn)
-        removed = sum(core.params_removed(t, k) for t, k in zip(targets, keeps))
+        removed = sum(core.params_removed(model, t, k) for t, k in zip(targets, keeps))
         ok = base - q <= tolerance
         trials.append(TrialResult(grid[mid], q, base - q, before - removed, removed / before, ok))
         report.add("search", "tolerance", f"ratio={grid[mid]}", f"quality {q:.4f} ({'accepted' if ok else 'rejected'})")
@@ -139,7 +139,7 @@ def size_budget_prune(model, cfg, batches, size_budget, *, ratio_grid=None, repo
     need = before * (1 - float(size_budget))
 
     def removed(r):
-        return sum(core.params_removed(t, core.keep_masks(t, r)) for t in targets)
+        return sum(core.params_removed(model, t, core.keep_masks(t, r)) for t in targets)
 
     if removed(max_ratio) < need:
         report.budget_unreachable = True
