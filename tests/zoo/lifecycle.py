@@ -26,6 +26,28 @@ CONFIGS = {
 }
 
 
+def int8_deploy_graph(model, inputs: dict, folder: str):
+    """``model`` under the INT8 config, clips initialised by one training forward on ``inputs``,
+    saved as ``folder/m_*``; ORT's optimised graph of the deploy file (``onnx.GraphProto``)."""
+    import onnx
+
+    cfg, rec = os.path.join(folder, "q.cfg"), os.path.join(folder, "rec.txt")
+    with open(cfg, "w") as f:
+        f.write(INT8)
+    c = amct.create_compressed_retrain_model(model, inputs, cfg, rec)
+    c.train()
+    with torch.no_grad():
+        c(**inputs)  # initialise the clips
+    c.eval()
+    amct.save_compressed_retrain_model(c, rec, os.path.join(folder, "m"), inputs)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = os.path.join(folder, "opt.onnx")
+    so.log_severity_level = 3  # the "hardware specific optimizations" warning: we only read the graph
+    ort.InferenceSession(os.path.join(folder, "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
+    assert os.path.exists(so.optimized_model_filepath)
+    return onnx.load(so.optimized_model_filepath).graph
+
+
 def first_tensor(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out

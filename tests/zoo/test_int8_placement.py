@@ -9,17 +9,14 @@ every CPU: the optimised graph depends on the ORT version, not on the float sums
 
 import collections
 import importlib
-import os
 
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
 
-import openamct as amct
 from tests.zoo.families import build, reinitialise
-from tests.zoo.lifecycle import INT8
+from tests.zoo.lifecycle import int8_deploy_graph
 
 pytestmark = pytest.mark.slow
 
@@ -48,21 +45,7 @@ BUILD = {"GoogLeNet-blocks": _inception}
 
 def _optimised(tmp_path, family: str) -> onnx.GraphProto:
     model, inputs = BUILD[family]() if family in BUILD else build(family)
-    cfg, rec = str(tmp_path / "q.cfg"), str(tmp_path / "rec.txt")
-    with open(cfg, "w") as f:
-        f.write(INT8)
-    c = amct.create_compressed_retrain_model(model, inputs, cfg, rec)
-    c.train()
-    with torch.no_grad():
-        c(**inputs)  # initialise the clips
-    c.eval()
-    amct.save_compressed_retrain_model(c, rec, str(tmp_path / "m"), inputs)
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
-    so.log_severity_level = 3  # the "hardware specific optimizations" warning: we only read the graph
-    ort.InferenceSession(str(tmp_path / "m_deploy_model.onnx"), so, providers=["CPUExecutionProvider"])
-    assert os.path.exists(so.optimized_model_filepath)
-    return onnx.load(so.optimized_model_filepath).graph
+    return int8_deploy_graph(model, inputs, str(tmp_path))
 
 
 def _float_only(n) -> bool:

@@ -47,6 +47,17 @@ CONV_TRANSPOSE_FIELDS = ("in_channels", "out_channels", "kernel_size", "stride",
                          "groups", "dilation", "padding_mode")
 
 
+
+def exported_input_quant(aq: ActULQ, x: Tensor) -> Tensor:
+    """``aq`` applied to ``x`` as the export writes it: Q/DQ up to 8 bits; wider formats as float
+    ops (Mul by 1/s, Round, Add zp, Clip to the format, Sub zp, Mul s), exact in integers."""
+    fmt = aq.format
+    if fmt.bits <= 8:
+        return aq(x)
+    s, zp, _, _ = ulq_qparams(aq.clip_max, aq.clip_min, aq.fixed_min, fmt)
+    q = torch.clamp(torch.round(x * torch.reciprocal(s)) + zp, fmt.qmin, fmt.qmax)
+    return (q - zp) * s
+
 class QATLayer(CompressedLayer):
     """Mixin of the QAT classes, listed before the torch class (``Conv2dQAT(QATLayer, nn.Conv2d)``).
     Subclasses set ``_layer_cls`` (the torch class) and call ``_setup_qat(config)`` after the
@@ -155,13 +166,7 @@ class QATLayer(CompressedLayer):
         exporter writes as Q/DQ, the same arithmetic as float ops (Mul by 1/s, Round, Add zp,
         Clip to the format, Sub zp, Mul s: ``fake_quant_per_tensor``'s, in exact integers),
         which ``convert_qat_model`` recognises by the Clip bounds."""
-        aq = self.act_quant
-        fmt = aq.format
-        if fmt.bits <= 8:
-            return aq(x)
-        s, zp, _, _ = ulq_qparams(aq.clip_max, aq.clip_min, aq.fixed_min, fmt)
-        q = torch.clamp(torch.round(x * torch.reciprocal(s)) + zp, fmt.qmin, fmt.qmax)
-        return (q - zp) * s
+        return exported_input_quant(self.act_quant, x)
 
     def extra_repr(self) -> str:
         q = self.qat_config.quant

@@ -28,8 +28,9 @@ from torch import Tensor, nn
 
 from openamct.compressed.recurrent import RecurrentLayer, unsupported
 from openamct.export.recurrent import RecurrentDeploy
+from openamct.nn.module.quantization.base import exported_input_quant
 from openamct.nn.module.quantization.config import QatConfig, parse_qat_config
-from openamct.quant.functions import graph_mode, ulq_qparams
+from openamct.quant.functions import graph_mode
 from openamct.techniques.quantization import make_act_quantizer, make_weight_quantizer
 
 __all__ = ["RecurrentQAT"]
@@ -63,13 +64,7 @@ class _ExportInput(nn.Module):
         self.aq = aq
 
     def forward(self, x: Tensor) -> Tensor:
-        aq = self.aq
-        fmt = aq.format
-        if fmt.bits <= 8:
-            return aq(x)
-        s, zp, _, _ = ulq_qparams(aq.clip_max, aq.clip_min, aq.fixed_min, fmt)
-        q = torch.clamp(torch.round(x * torch.reciprocal(s)) + zp, fmt.qmin, fmt.qmax)
-        return (q - zp) * s
+        return exported_input_quant(self.aq, x)
 
 
 class RecurrentQAT(RecurrentLayer):
