@@ -21,18 +21,10 @@ from openamct.nn.module.quantization import (
     ConvTranspose2dQAT,
     LinearQAT,
 )
+from tests.unit.test_rnn_qat_modules import Head
 
 W4 = {"retrain_weight_config": {"dst_type": "INT4"}}
 D16 = {"retrain_data_config": {"dst_type": "INT16"}}
-
-
-class Head(nn.Module):
-    def __init__(self, rnn: nn.Module, fc: nn.Module) -> None:
-        super().__init__()
-        self.rnn, self.fc = rnn, fc
-
-    def forward(self, x):
-        return self.fc(self.rnn(x)[0][:, -1])
 
 
 def _trained(net, shape):

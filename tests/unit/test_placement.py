@@ -50,18 +50,25 @@ def _saved(tmp_path, placement=None, report=None):
     return str(tmp_path / "m_fake_quant_model.onnx"), str(tmp_path / "m_deploy_model.onnx"), x.numpy()
 
 
-def _cost_timer(models: dict, feeds: dict) -> dict:
-    """ms of each model from COST: a Conv/Gemm reading a float weight initializer runs float."""
-    out = {}
-    for label, m in models.items():
-        inits = {t.name for t in m.graph.initializer}
-        total = 0.0
-        for n in m.graph.node:
-            if n.op_type in ("Conv", "Gemm"):
-                layer = next(k for k in COST if f"/{k}/" in n.input[1])
-                total += COST[layer][1 if n.input[1] in inits else 0]
-        out[label] = total
-    return out
+def _timer(cost):
+    """A timer for ``latency_placement`` summing ``cost(node, float_weight)`` over the Conv/Gemm
+    nodes of each model (a node reading a float weight initializer runs float)."""
+    def timer(models: dict, feeds: dict) -> dict:
+        out = {}
+        for label, m in models.items():
+            inits = {t.name for t in m.graph.initializer}
+            out[label] = sum(cost(n, n.input[1] in inits) for n in m.graph.node if n.op_type in ("Conv", "Gemm"))
+        return out
+    return timer
+
+
+def _table_cost(node, float_weight: bool) -> float:
+    """ms of a node from COST."""
+    layer = next(k for k in COST if f"/{k}/" in node.input[1])
+    return COST[layer][1 if float_weight else 0]
+
+
+_cost_timer = _timer(_table_cost)
 
 
 def _agrees_with_fake(fake: str, deploy: str, what: str) -> None:
@@ -180,20 +187,12 @@ def test_a_float_depthwise_conv_inside_a_residual_block(tmp_path):
     c.eval()
     amct.save_compressed_retrain_model(c, rec, str(tmp_path / "m"), x, input_names=["x"])
 
-    def depthwise_slow(models, feeds):  # a grouped conv costs 3 in INT8 and 1 in float, the rest 1 and 2
-        out = {}
-        for label, m in models.items():
-            inits = {t.name for t in m.graph.initializer}
-            total = 0.0
-            for n in m.graph.node:
-                if n.op_type in ("Conv", "Gemm"):
-                    grouped = any(a.name == "group" and a.i > 1 for a in n.attribute)
-                    total += (1.0 if grouped else 2.0) if n.input[1] in inits else (3.0 if grouped else 1.0)
-            out[label] = total
-        return out
+    def depthwise_slow(node, float_weight):  # a grouped conv costs 3 in INT8 and 1 in float, the rest 1 and 2
+        grouped = any(a.name == "group" and a.i > 1 for a in node.attribute)
+        return (1.0 if grouped else 2.0) if float_weight else (3.0 if grouped else 1.0)
 
     before = onnx.load(str(tmp_path / "m_deploy_model.onnx"))
-    placed, decision = latency_placement(before, {"x": x.numpy()}, timer=depthwise_slow, runtime="cost table")
+    placed, decision = latency_placement(before, {"x": x.numpy()}, timer=_timer(depthwise_slow), runtime="cost table")
     assert decision["chosen"] == "blocks" and decision["float_layers"] == ["dw"], decision
     ops, int8 = _optimised_ops(placed, tmp_path), _optimised_ops(before, tmp_path)
     assert ops["QLinearConv"] == int8["QLinearConv"] - 1 and ops["Conv"] + ops["FusedConv"] == \
